@@ -1,0 +1,41 @@
+"""optax_muon: Muon (momentum orthogonalized by Newton–Schulz) for JAX and Optax.
+
+Building block: ``scale_by_muon`` (compose it in ``optax.chain``). Full optimizer: ``muon``
+(Muon on matrices, AdamW on the rest). Newton–Schulz: ``newton_schulz`` with the coefficient
+presets in ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table, and
+``msign``, its SVD reference. ``summarize`` shows where every leaf goes.
+"""
+
+from optax_muon.alias import muon
+from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
+                                     resolve_coefficients, singular_value_range)
+from optax_muon.layout import MuonDimensionNumbers, scale_factor
+from optax_muon.newton_schulz import msign, newton_schulz, ns_flops
+from optax_muon.routing import DEFAULT_ADAM_PATTERN, Route, route
+from optax_muon.summary import LeafSummary, RoutingSummary, summarize
+from optax_muon.transform import MuonState, MuonTransformation, scale_by_muon
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_ADAM_PATTERN",
+    "LeafSummary",
+    "MuonDimensionNumbers",
+    "MuonState",
+    "MuonTransformation",
+    "NSCoefficients",
+    "PRESET_NAMES",
+    "Route",
+    "RoutingSummary",
+    "msign",
+    "muon",
+    "newton_schulz",
+    "ns_flops",
+    "polar_express_coefficients",
+    "resolve_coefficients",
+    "route",
+    "scale_by_muon",
+    "scale_factor",
+    "singular_value_range",
+    "summarize",
+]

@@ -1,0 +1,198 @@
+"""How a parameter leaf is seen as a batch of matrices: dimension numbers and layouts.
+
+A ``MatrixLayout`` is static per-leaf metadata (Python values only, never arrays), computed
+once from the leaf's shape and its ``MuonDimensionNumbers`` and reused by ``init``,
+``update`` and ``summarize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax.contrib
+
+from optax_muon import tree_utils
+
+
+class MuonDimensionNumbers(NamedTuple):
+  """Which axes of a weight form the matrix Muon orthogonalizes.
+
+  The same fields as ``optax.contrib.MuonDimensionNumbers`` (instances of either are
+  accepted everywhere). All axes that are neither reduction nor output axes are batch axes:
+  each index along them is an independent matrix.
+
+  Attributes:
+    reduction_axis: the input axis or axes (``n_in``, contracted in ``x @ W``).
+    output_axis: the output axis or axes (``n_out``).
+
+  Examples: a stacked (L, d_in, d_out) kernel is ``MuonDimensionNumbers(1, 2)``; a conv kernel
+  (kh, kw, c_in, c_out) as one matrix is ``MuonDimensionNumbers((0, 1, 2), 3)``; a fused
+  per-head projection (d, heads, head_dim) orthogonalized per head is
+  ``MuonDimensionNumbers(0, 2)``.
+  """
+
+  reduction_axis: Sequence[int] | int = 0
+  output_axis: Sequence[int] | int = 1
+
+
+DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbers)
+
+
+def is_dimension_numbers(x: Any) -> bool:
+  return isinstance(x, DIMENSION_NUMBER_TYPES)
+
+
+SCALE_KINDS = ("jordan", "spectral", "rms", "deepseek", None)
+
+
+def scale_factor(n_in: int, n_out: int, kind: str | None, *, rms_scale=0.2,
+                 deepseek_gamma=0.2):
+  """The factor multiplying an orthogonalized update of an n_in × n_out matrix.
+
+  Args:
+    n_in: reduction size.
+    n_out: output size.
+    kind: ``"jordan"`` sqrt(max(1, n_out/n_in)); ``"spectral"`` sqrt(n_out/n_in);
+      ``"rms"`` rms_scale·sqrt(max(n_in, n_out)); ``"deepseek"``
+      deepseek_gamma·sqrt(max(n_in, n_out)); ``None`` 1.
+    rms_scale: the RMS-matching constant (Moonlight uses 0.2). May be a traced scalar.
+    deepseek_gamma: DeepSeek-V4's γ. May be a traced scalar.
+
+  Returns:
+    A Python float, or a scalar array when the constant is traced.
+
+  Raises:
+    ValueError: for an unknown kind.
+  """
+  if kind == "jordan":
+    return math.sqrt(max(1.0, n_out / n_in))
+  if kind == "spectral":
+    return math.sqrt(n_out / n_in)
+  if kind == "rms":
+    return rms_scale * math.sqrt(max(n_in, n_out))
+  if kind == "deepseek":
+    return deepseek_gamma * math.sqrt(max(n_in, n_out))
+  if kind is None:
+    return 1.0
+  raise ValueError(f"Unknown update scale {kind!r}; expected one of {SCALE_KINDS}.")
+
+
+def _normalize_axes(axes, ndim: int, path: str, field: str) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  if not axes:
+    raise ValueError(f"{path}: {field} must name at least one axis.")
+  for ax in axes:
+    if isinstance(ax, bool) or not isinstance(ax, int) or not -ndim <= ax < ndim:
+      raise ValueError(f"{path}: {field} {ax!r} is out of range for a leaf of rank {ndim}.")
+  normalized = tuple(ax % ndim for ax in axes)
+  if len(set(normalized)) != len(normalized):
+    raise ValueError(f"{path}: {field} {axes} names an axis twice.")
+  return normalized
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixLayout:
+  """A leaf seen as ``batch`` independent ``n_in × n_out`` matrices.
+
+  Attributes:
+    path: the leaf's path, for messages.
+    shape: the leaf's shape.
+    dtype: the leaf's dtype.
+    batch_axes, reduction_axes, output_axes: a partition of ``range(len(shape))``.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: Any
+  batch_axes: tuple[int, ...]
+  reduction_axes: tuple[int, ...]
+  output_axes: tuple[int, ...]
+
+  @property
+  def batch(self) -> int:
+    return math.prod(self.shape[a] for a in self.batch_axes)
+
+  @property
+  def n_in(self) -> int:
+    return math.prod(self.shape[a] for a in self.reduction_axes)
+
+  @property
+  def n_out(self) -> int:
+    return math.prod(self.shape[a] for a in self.output_axes)
+
+  @property
+  def _perm(self) -> tuple[int, ...]:
+    return self.batch_axes + self.reduction_axes + self.output_axes
+
+  def to_matrices(self, x: jax.Array) -> jax.Array:
+    """Leaf → ``(batch, n_in, n_out)``."""
+    return jnp.transpose(x, self._perm).reshape(self.batch, self.n_in, self.n_out)
+
+  def from_matrices(self, y: jax.Array) -> jax.Array:
+    """``(batch, n_in, n_out)`` → leaf shape (inverse of ``to_matrices``)."""
+    y = y.reshape(tuple(self.shape[a] for a in self._perm))
+    inverse = tuple(sorted(range(len(self.shape)), key=self._perm.__getitem__))
+    return jnp.transpose(y, inverse)
+
+
+def make_layout(path: str, leaf: Any, dims: Any | None) -> MatrixLayout:
+  """Builds and validates the layout of one Muon leaf.
+
+  Args:
+    path: the leaf's path, used in error messages.
+    leaf: an array or ``jax.ShapeDtypeStruct``.
+    dims: ``MuonDimensionNumbers`` or ``None`` (a plain 2-D ``x @ W`` matrix).
+
+  Returns:
+    The leaf's ``MatrixLayout``.
+
+  Raises:
+    ValueError: for a non-float leaf, a 0-D/1-D leaf, axes out of range or overlapping, or
+      dimension numbers that are not ``MuonDimensionNumbers``.
+  """
+  shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{path}: Muon needs a floating-point leaf; got dtype {dtype} "
+                     f"(shape {shape}). Route it elsewhere with `labels`.")
+  if dims is None:
+    if len(shape) != 2:
+      raise ValueError(
+          f"{path}: Muon needs a matrix; got a {len(shape)}-D leaf of shape {shape}. "
+          "Route it to AdamW, or describe it with MuonDimensionNumbers.")
+    dims = MuonDimensionNumbers()
+  elif not is_dimension_numbers(dims):
+    raise ValueError(f"{path}: expected MuonDimensionNumbers or None, got {dims!r}.")
+  if len(shape) < 2:
+    raise ValueError(f"{path}: Muon needs at least 2 dimensions; got shape {shape}.")
+  reduction = _normalize_axes(dims.reduction_axis, len(shape), path, "reduction_axis")
+  output = _normalize_axes(dims.output_axis, len(shape), path, "output_axis")
+  if set(reduction) & set(output):
+    raise ValueError(f"{path}: reduction axes {reduction} and output axes {output} overlap "
+                     f"(shape {shape}).")
+  batch = tuple(a for a in range(len(shape)) if a not in reduction + output)
+  return MatrixLayout(path, shape, dtype, batch, reduction, output)
+
+
+def resolve_dimension_numbers(spec: Any, tree: Any, what: str) -> list[Any]:
+  """One dimension-numbers entry (or None) per position of ``tree``.
+
+  Args:
+    spec: None, a single ``MuonDimensionNumbers``, a tree or prefix tree of them (None
+      entries allowed), or a callable ``tree -> such a tree``.
+    tree: the params or updates.
+    what: the argument's name, for error messages.
+
+  Returns:
+    A list aligned with ``tree_utils.flatten_positions(tree)``.
+  """
+  positions, _ = tree_utils.flatten_positions(tree)
+  if spec is None:
+    return [None] * len(positions)
+  if callable(spec) and not is_dimension_numbers(spec):
+    spec = spec(tree)
+  return tree_utils.broadcast_prefix(spec, tree, is_value=is_dimension_numbers, what=what)

@@ -1,0 +1,108 @@
+"""Newton–Schulz orthogonalization and its SVD reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
+
+
+def _normalize(x: jax.Array, safety: float, eps: float) -> jax.Array:
+  """X / (‖X‖_F·(1 + safety) + eps) per matrix, computed in float32 (or wider).
+
+  Dividing by max|X| first keeps the sum of squares representable: without it a gradient
+  of scale 1e-20 squares to zero in float32 and fp16 squares overflow or underflow.
+  """
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  x = x.astype(wide)
+  amax = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+  x = x / jnp.where(amax > 0, amax, 1).astype(wide)
+  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+  return x / (norm * (1 + safety) + eps)
+
+
+def _ns_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
+  """Applies X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ, once per row; x has m ≤ n."""
+  rows = jnp.asarray(rows, dtype=x.dtype)
+
+  def step(x, abc):
+    a, b, c = abc[0], abc[1], abc[2]
+    gram = x @ jnp.swapaxes(x, -1, -2)  # (..., m, m)
+    poly = b * gram + c * (gram @ gram)
+    return a * x + poly @ x, None
+
+  x, _ = jax.lax.scan(step, x, rows)
+  return x
+
+
+def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
+                  steps: int | None = None, compute_dtype: jnp.dtype | None = None,
+                  eps: float | None = None) -> jax.Array:
+  """Approximates msign(x) = U·Vᵀ for every matrix in a batch.
+
+  The iteration runs on the short side (x is transposed when rows > columns), starting
+  from x normalized by its Frobenius norm computed in float32.
+
+  Args:
+    x: array of shape ``(..., m, n)``; leading axes are a batch of independent matrices.
+    coeffs: a preset name, a triple, a table of triples, ``("polar_express", steps, ℓ)`` or
+      an ``NSCoefficients`` (see ``resolve_coefficients``).
+    steps: number of NS steps; ``None`` takes the preset's own count.
+    compute_dtype: dtype of the matrix products (e.g. ``jnp.bfloat16``); ``None`` keeps
+      ``x.dtype``.
+    eps: overrides the preset's epsilon in the normalization.
+
+  Returns:
+    An array of ``x``'s shape and dtype.
+
+  Raises:
+    ValueError: if ``x`` has fewer than 2 dimensions or is not floating point, or the
+      coefficients are invalid.
+  """
+  table = resolve_coefficients(coeffs, steps, eps)
+  if x.ndim < 2:
+    raise ValueError(f"newton_schulz expects an array of shape (..., m, n); got shape "
+                     f"{x.shape}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"newton_schulz expects a floating-point array; got {x.dtype}.")
+  out_dtype = x.dtype
+  compute_dtype = jnp.dtype(compute_dtype or x.dtype)
+  transposed = x.shape[-2] > x.shape[-1]
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  x = _normalize(x, table.safety, table.eps).astype(compute_dtype)
+  x = _ns_iterations(x, np.asarray(table.rows))
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  return x.astype(out_dtype)
+
+
+def msign(x: jax.Array, *, rank_tol: float | None = None) -> jax.Array:
+  """The exact polar factor U·Vᵀ by SVD: the reference Newton–Schulz approximates.
+
+  Singular values below ``rank_tol·σ_max`` map to 0 (NS maps them there too), so the result
+  is well defined for rank-deficient inputs.
+
+  Args:
+    x: array of shape ``(..., m, n)``.
+    rank_tol: relative threshold; ``None`` uses ``max(m, n)·ε`` of the SVD dtype.
+
+  Returns:
+    U·diag(σ > tol)·Vᵀ in float32 (float64 when x64 is enabled and ``x`` is float64).
+  """
+  if x.ndim < 2:
+    raise ValueError(f"msign expects an array of shape (..., m, n); got shape {x.shape}.")
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  u, s, vt = jnp.linalg.svd(x.astype(wide), full_matrices=False)
+  if rank_tol is None:
+    rank_tol = max(x.shape[-2:]) * float(jnp.finfo(wide).eps)
+  keep = (s > rank_tol * s[..., :1]).astype(wide)
+  return (u * keep[..., None, :]) @ vt
+
+
+def ns_flops(m: int, n: int, steps: int) -> int:
+  """FLOPs of ``steps`` NS steps on one m × n matrix: (4·m²·n + 2·m³) per step, m ≤ n."""
+  m, n = min(m, n), max(m, n)
+  return steps * (4 * m * m * n + 2 * m**3)

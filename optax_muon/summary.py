@@ -1,0 +1,113 @@
+"""``summarize``: a table of where every leaf goes and what Newton–Schulz costs there."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from optax_muon import tree_utils
+from optax_muon.newton_schulz import ns_flops
+from optax_muon.orthogonalize import canonical_shape
+from optax_muon.routing import ADAM, MUON, Route
+from optax_muon.transform import MuonTransformation
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSummary:
+  """One row of the routing summary.
+
+  Attributes:
+    path, shape, dtype: the leaf.
+    optimizer: ``"muon"`` or ``"adam"``.
+    reason: why it was routed there.
+    ns_matrix: the (m, n) matrix NS iterates on (m ≤ n), Muon leaves only.
+    batch: how many such matrices the leaf holds.
+    scale: the update-scale factor.
+    ns_flops: NS FLOPs per step for the whole leaf.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  optimizer: str
+  reason: str
+  ns_matrix: tuple[int, int] | None = None
+  batch: int | None = None
+  scale: float | None = None
+  ns_flops: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSummary:
+  """The routing summary: ``rows``, and a table via ``str()``."""
+
+  rows: tuple[LeafSummary, ...]
+
+  def by_optimizer(self, optimizer: str) -> list[LeafSummary]:
+    return [r for r in self.rows if r.optimizer == optimizer]
+
+  @property
+  def total_ns_flops(self) -> int:
+    return sum(r.ns_flops or 0 for r in self.rows)
+
+  def __str__(self) -> str:
+    header = ("path", "shape", "dtype", "optimizer", "reason", "NS matrix", "batch", "scale",
+              "NS GFLOP")
+    body = [(r.path, "×".join(map(str, r.shape)) or "()", r.dtype,
+             "Muon" if r.optimizer == MUON else "AdamW", r.reason,
+             f"{r.ns_matrix[0]}×{r.ns_matrix[1]}" if r.ns_matrix else "",
+             str(r.batch or ""), f"{r.scale:.3g}" if r.scale is not None else "",
+             f"{r.ns_flops / 1e9:.3f}" if r.ns_flops else "") for r in self.rows]
+    n_muon, n_adam = len(self.by_optimizer(MUON)), len(self.by_optimizer(ADAM))
+    footer = (f"{n_muon} leaves on Muon, {n_adam} on AdamW; NS "
+              f"{self.total_ns_flops / 1e9:.3f} GFLOP per step.")
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+    fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer])
+
+
+def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
+              ) -> RoutingSummary:
+  """Shows, per leaf, which optimizer ``tx`` applies and what NS costs there.
+
+  Args:
+    params: the params (arrays or ``jax.ShapeDtypeStruct``s).
+    tx: a transformation from ``muon`` or ``scale_by_muon``.
+    print_table: also print the table.
+
+  Returns:
+    A ``RoutingSummary``.
+
+  Raises:
+    ValueError: if ``tx`` did not come from this package, or its routing does not fit
+      ``params``.
+  """
+  config = getattr(tx, "muon_config", None)
+  if config is None:
+    raise ValueError(f"summarize needs a transformation from optax_muon.muon or "
+                     f"scale_by_muon (it carries the routing); got {type(tx).__name__}.")
+  positions, _ = tree_utils.flatten_positions(params)
+  if tx.muon_router is None:
+    routes = [Route(tree_utils.path_str(p), MUON, "scale_by_muon")
+              if tree_utils.is_array_leaf(leaf) else None for p, leaf in positions]
+  else:
+    routes = tx.muon_router(params)
+  layouts = config.layouts(params, [r is not None and r.label == MUON for r in routes])
+  rows = []
+  for (_, leaf), r, layout in zip(positions, routes, layouts):
+    if r is None:
+      continue
+    row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.label, r.reason)
+    if layout is not None:
+      m, n = canonical_shape(layout)
+      row = dataclasses.replace(
+          row, ns_matrix=(m, n), batch=layout.batch, scale=float(config.factor(layout)),
+          ns_flops=layout.batch * ns_flops(m, n, config.ns.coefficients.steps))
+    rows.append(row)
+  summary = RoutingSummary(tuple(rows))
+  if print_table:
+    print(summary)
+  return summary
