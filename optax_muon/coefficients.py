@@ -106,12 +106,11 @@ def _validate_table(coeffs) -> tuple[Triple, ...]:
     raise ValueError(
         f"Newton–Schulz coefficients must be a preset name {PRESET_NAMES}, an (a, b, c) "
         f"triple or a sequence of triples; got {coeffs!r}.") from e
-  if arr.ndim == 1:
-    arr = arr[None]
-  if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] != 3:
+  if arr.shape != (3,) and (arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] != 3):
     raise ValueError(
         "Newton–Schulz coefficients must be an (a, b, c) triple or a non-empty sequence of "
         f"triples (shape (3,) or (steps, 3)); got shape {arr.shape} from {coeffs!r}.")
+  arr = arr.reshape(-1, 3)
   if not np.all(np.isfinite(arr)):
     raise ValueError(f"Newton–Schulz coefficients must be finite; got {coeffs!r}.")
   return tuple(tuple(float(v) for v in row) for row in arr)

@@ -64,6 +64,11 @@ def broadcast_prefix(prefix: Any, tree: Any, *, is_value: Callable[[Any], bool],
         values.append(by_path[path[:i]])
         break
     else:
+      deeper = [p for p in by_path if p[:len(path)] == path]
+      if deeper:
+        raise ValueError(f"{what} does not match the params: at leaf '{path_str(path)}' it "
+                         f"has a container (entries such as '{path_str(deeper[0])}') instead "
+                         "of a single entry.")
       raise ValueError(f"{what} does not match the params: no entry for leaf "
                        f"'{path_str(path)}'. Pass a tree (or prefix tree) of the params' "
                        "structure.")
@@ -72,3 +77,4 @@ def broadcast_prefix(prefix: Any, tree: Any, *, is_value: Callable[[Any], bool],
     raise ValueError(f"{what} does not match the params: entries {unused} name no leaf "
                      "of the params.")
   return values
+

@@ -1,0 +1,19 @@
+"""Test setup: 8 virtual CPU devices (before JAX starts) and the examples on sys.path."""
+
+import os
+import pathlib
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
+
+
+
+@pytest.fixture
+def key():
+  return jax.random.PRNGKey(0)

@@ -1,0 +1,224 @@
+"""scale_by_muon: against optax.contrib, against a NumPy reference, and its contracts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_muon as om
+from helpers import rel_err, singular_values
+
+DN = om.MuonDimensionNumbers
+
+
+def _tree(seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  return {
+      "attn": {"q": jax.random.normal(ks[0], (32, 32), dtype),
+               "o": jax.random.normal(ks[1], (32, 32), dtype)},
+      "mlp": {"up": jax.random.normal(ks[2], (32, 128), dtype),
+              "down": jax.random.normal(ks[3], (128, 32), dtype)},
+      "stack": jax.random.normal(ks[4], (3, 16, 48), dtype),
+  }
+
+
+DIMS = {"attn": {"q": DN(), "o": DN()}, "mlp": {"up": DN(), "down": DN()}, "stack": DN(1, 2)}
+
+
+def _grads(params, step):
+  key = jax.random.PRNGKey(100 + step)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
+                                      for k, x in zip(keys, leaves)])
+
+
+def _run(tx, params, steps=4):
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  out = []
+  for t in range(steps):
+    u, state = update(_grads(params, t), state, params)
+    out.append(u)
+  return out, state
+
+
+def test_matches_optax_contrib_scale_by_muon():
+  """ema + Nesterov + Jordan coefficients in f32: optax.contrib's configuration."""
+  params = _tree()
+  contrib_dims = jax.tree.map(lambda d: optax.contrib.MuonDimensionNumbers(*d), DIMS,
+                              is_leaf=lambda x: isinstance(x, DN))
+  ours, _ = _run(om.scale_by_muon(scale=None, weight_dimension_numbers=DIMS), params)
+  theirs, _ = _run(optax.contrib.scale_by_muon(weight_dimension_numbers=contrib_dims), params)
+  for u_ours, u_theirs in zip(ours, theirs):
+    for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs)):
+      assert rel_err(a, b) < 1e-5
+
+
+def test_contrib_dimension_numbers_are_accepted():
+  params = _tree()
+  contrib_dims = jax.tree.map(lambda d: optax.contrib.MuonDimensionNumbers(*d), DIMS,
+                              is_leaf=lambda x: isinstance(x, DN))
+  a, _ = _run(om.scale_by_muon(weight_dimension_numbers=contrib_dims), params, 2)
+  b, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS), params, 2)
+  chex_equal = [np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+  assert all(chex_equal)
+
+
+def _numpy_ns(x, rows, safety, eps):
+  t = x.shape[0] > x.shape[1]
+  x = x.T if t else x
+  x = x / (np.linalg.norm(x) * (1 + safety) + eps)
+  for a, b, c in rows:
+    g = x @ x.T
+    x = a * x + (b * g + c * g @ g) @ x
+  return x.T if t else x
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_sum_momentum_matches_numpy_reference(nesterov):
+  """M ← μM + G; N = μM + G (Nesterov) or M; O = NS(N); update = sqrt(max(1, out/in))·O."""
+  params = {"w": jnp.zeros((24, 40)), "v": jnp.zeros((40, 24))}
+  beta = 0.9
+  table = om.resolve_coefficients("polar_express", 6)
+  tx = om.scale_by_muon(beta, momentum="sum", nesterov=nesterov, coeffs="polar_express",
+                        steps=6)
+  ours, _ = _run(tx, params, steps=4)
+  mom = {k: np.zeros(v.shape) for k, v in params.items()}
+  for t in range(4):
+    g = {k: np.asarray(v, np.float64) for k, v in _grads(params, t).items()}
+    for k in params:
+      mom[k] = beta * mom[k] + g[k]
+      n = beta * mom[k] + g[k] if nesterov else mom[k]
+      n_in, n_out = params[k].shape
+      expected = np.sqrt(max(1, n_out / n_in)) * _numpy_ns(n, table.rows, table.safety,
+                                                           table.eps)
+      assert rel_err(ours[t][k], expected) < 1e-4, (t, k)
+
+
+def test_ema_without_bias_correction_is_keller_jordan():
+  """KellerJordan/Muon: m.lerp_(g, 1-β); update = g.lerp(m, β), no bias correction."""
+  params = {"w": jnp.zeros((16, 16))}
+  beta = 0.95
+  tx = om.scale_by_muon(beta, bias_correction=False, coeffs="polar_express", steps=8)
+  ours, _ = _run(tx, params, steps=3)
+  table = om.resolve_coefficients("polar_express", 8)
+  m = np.zeros((16, 16))
+  for t in range(3):
+    g = np.asarray(_grads(params, t)["w"], np.float64)
+    m = m + (1 - beta) * (g - m)
+    n = g + beta * (m - g)
+    assert rel_err(ours[t]["w"], _numpy_ns(n, table.rows, table.safety, table.eps)) < 1e-4
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("jordan", lambda i, o: np.sqrt(max(1, o / i))),
+    ("spectral", lambda i, o: np.sqrt(o / i)),
+    ("rms", lambda i, o: 0.3 * np.sqrt(max(i, o))),
+    ("deepseek", lambda i, o: 0.18 * np.sqrt(max(i, o))),
+    (None, lambda i, o: 1.0),
+])
+def test_update_scale(kind, expected):
+  params = {"wide": jnp.zeros((16, 64)), "tall": jnp.zeros((64, 16))}
+  tx = om.scale_by_muon(coeffs="polar_express", steps=8, scale=kind, rms_scale=0.3,
+                        deepseek_gamma=0.18)
+  (u,), _ = _run(tx, params, steps=1)
+  for k, (i, o) in {"wide": (16, 64), "tall": (64, 16)}.items():
+    sv = singular_values(u[k])
+    assert np.allclose(sv, expected(i, o), rtol=2e-3), (k, sv[:3])
+  if kind == "rms":  # RMS of the update is rms_scale, whatever the shape.
+    assert np.allclose([float(jnp.sqrt(jnp.mean(v**2))) for v in u.values()], 0.3, rtol=2e-3)
+
+
+def test_bucketing_does_not_change_results():
+  params = _tree()
+  a, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS, bucket=True), params, 2)
+  b, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS, bucket=False), params, 2)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert rel_err(x, y) < 1e-5  # f32 reassociation in batched matmuls
+
+
+def test_conv_and_per_head_dimension_numbers():
+  """Conv kernel (kh, kw, c_in, c_out) as one matrix; (d, heads, hd) per head."""
+  rng = np.random.default_rng(0)
+  conv = rng.standard_normal((3, 3, 8, 16)).astype(np.float32)
+  heads = rng.standard_normal((32, 4, 8)).astype(np.float32)
+  dims = {"conv": DN((0, 1, 2), 3), "heads": DN(0, 2)}
+  tx = om.scale_by_muon(coeffs="polar_express", steps=8, scale=None, weight_dimension_numbers=dims)
+  state = tx.init({"conv": conv, "heads": heads})
+  u, _ = tx.update({"conv": conv, "heads": heads}, state)
+  conv_matrix = np.asarray(u["conv"]).reshape(72, 16)
+  assert np.allclose(singular_values(conv_matrix), 1, atol=2e-3)
+  for h in range(4):  # every head is its own orthogonal matrix
+    assert np.allclose(singular_values(np.asarray(u["heads"])[:, h, :]), 1, atol=2e-3)
+  assert rel_err(u["conv"], om.msign(conv.reshape(72, 16)).reshape(conv.shape)) < 5e-3
+
+
+def test_state_dtype_and_structure():
+  params = _tree()
+  tx = om.scale_by_muon(mu_dtype=jnp.bfloat16, weight_dimension_numbers=DIMS)
+  _, state = _run(tx, params, 2)
+  assert isinstance(state, om.MuonState)
+  assert state.count.dtype == jnp.int32 and int(state.count) == 2
+  assert all(m.dtype == jnp.bfloat16 for m in jax.tree.leaves(state.mu))
+  assert jax.tree.structure(state.mu) == jax.tree.structure(params)
+  u, _ = _run(tx, params, 1)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
+
+
+def test_init_on_shape_dtype_structs():
+  params = _tree()
+  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  tx = om.scale_by_muon(weight_dimension_numbers=DIMS)
+  abstract = jax.eval_shape(tx.init, sds)
+  concrete = tx.init(sds)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == \
+      jax.tree.map(lambda a: (a.shape, a.dtype), tx.init(params))
+  assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(concrete.mu))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_zero_gradients_are_finite(dtype):
+  params = {"w": jnp.zeros((8, 16), dtype)}
+  tx = om.scale_by_muon()
+  state = tx.init(params)
+  u, state = tx.update({"w": jnp.zeros((8, 16), dtype)}, state)
+  assert u["w"].dtype == dtype and np.all(np.asarray(u["w"], np.float32) == 0)
+
+
+def test_contrib_gives_nan_for_fp16_zeros():
+  """Why the float32 norm matters: the anchor divides 0 by 0 in fp16."""
+  params = {"w": jnp.zeros((8, 16), jnp.float16)}
+  tx = optax.contrib.scale_by_muon(
+      weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers()})
+  u, _ = tx.update(params, tx.init(params))
+  assert np.isnan(np.asarray(u["w"], np.float32)).any()
+
+
+@pytest.mark.parametrize("params,dims,match", [
+    ({"b": jnp.zeros(8)}, None, r"b: Muon needs a matrix; got a 1-D leaf"),
+    ({"s": jnp.zeros(())}, None, r"s: Muon needs a matrix; got a 0-D leaf"),
+    ({"s": jnp.zeros(())}, {"s": DN()}, r"s: Muon needs at least 2 dimensions"),
+    ({"i": jnp.zeros((4, 4), jnp.int32)}, None, r"i: Muon needs a floating-point leaf"),
+    ({"w": jnp.zeros((2, 4, 4))}, {"w": DN(1, 1)}, r"w: reduction axes \(1,\) and output "
+     r"axes \(1,\) overlap"),
+    ({"w": jnp.zeros((2, 4, 4))}, {"w": DN(0, 3)}, r"w: output_axis 3 is out of range"),
+    ({"w": jnp.zeros((2, 4, 4))}, {"w": DN((), 1)}, r"w: reduction_axis must name"),
+    ({"w": jnp.zeros((4, 4))}, {"v": DN()}, r"no entry for leaf 'w'"),
+    ({"w": jnp.zeros((4, 4))}, {"w": DN(), "v": DN()}, r"entries \['v'\] name no leaf"),
+    ({"w": jnp.zeros((4, 4))}, {"w": (0, 1)}, r"at leaf 'w' it has a container \(entries such as 'w/0'\)"),
+])
+def test_bad_leaves(params, dims, match):
+  tx = om.scale_by_muon(weight_dimension_numbers=dims)
+  with pytest.raises(ValueError, match=match):
+    tx.init(params)
+
+
+def test_bad_options():
+  with pytest.raises(ValueError, match="momentum must be one of"):
+    om.scale_by_muon(momentum="adam")
+  with pytest.raises(ValueError, match="scale must be one of"):
+    om.scale_by_muon(scale="shape")
+  with pytest.raises(ValueError, match="Unknown Newton–Schulz preset"):
+    om.scale_by_muon(coeffs="jordan5")
