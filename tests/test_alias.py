@@ -1,0 +1,175 @@
+"""muon: routing, the AdamW branch, weight decay, and parity with optax.contrib.muon."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import optax_muon as om
+from gpt import GPT, GPTConfig
+from helpers import rel_err
+
+DN = om.MuonDimensionNumbers
+
+
+def _params():
+  ks = jax.random.split(jax.random.PRNGKey(0), 6)
+  return {
+      "embed": {"embedding": jax.random.normal(ks[0], (64, 16))},
+      "layer": {"kernel": jax.random.normal(ks[1], (16, 32)), "bias": jnp.zeros(32)},
+      "norm": {"scale": jnp.ones(32)},
+      "lm_head": {"kernel": jax.random.normal(ks[2], (32, 64))},
+  }
+
+
+def _grads(params, t):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(50 + t), len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in
+                                      zip(keys, leaves)])
+
+
+def _labels(tx, params):
+  return {r.path: r.label for r in tx.muon_router(params) if r is not None}
+
+
+def test_default_routing_of_nnx_gpt():
+  """Every leaf of the example GPT lands where the README says."""
+  model = GPT(GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16), nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  tx = om.muon(0.02)
+  summary = om.summarize(params, tx)
+  routes = {row.path: row for row in summary.rows}
+  for path, row in routes.items():
+    name = path.removesuffix("/value")
+    if name in ("embed/embedding", "pos_embed", "lm_head/kernel"):
+      assert row.optimizer == "adam" and "pattern" in row.reason, path
+    elif name.endswith("kernel"):
+      assert row.optimizer == "muon" and row.reason == "2-D", path
+      assert row.ns_matrix in ((32, 32), (32, 128)) and row.batch == 1
+    else:
+      assert row.optimizer == "adam" and row.reason == "1-D", path
+  assert len(summary.by_optimizer("muon")) == 2 * 6
+  text = str(summary)
+  assert "blocks/0/mlp_in/kernel/value" in text and "12 leaves on Muon" in text
+
+
+def test_summary_costs():
+  params = {"w": jnp.zeros((64, 256)), "stack": jnp.zeros((3, 256, 64))}
+  tx = om.scale_by_muon(coeffs="polar_express", steps=6,
+                        weight_dimension_numbers={"w": None, "stack": DN(1, 2)})
+  rows = {r.path: r for r in om.summarize(params, tx).rows}
+  assert rows["w"].ns_flops == 6 * (4 * 64 * 64 * 256 + 2 * 64**3)
+  assert rows["stack"].ns_flops == 3 * rows["w"].ns_flops
+  assert rows["stack"].ns_matrix == (64, 256) and rows["stack"].scale == 1.0
+  assert rows["w"].scale == 2.0
+
+
+def test_three_d_leaves_without_dimension_numbers_warn():
+  params = {"stack": jnp.zeros((2, 8, 8)), "w": jnp.zeros((8, 8))}
+  with pytest.warns(UserWarning, match=r"rank >= 3 go to AdamW.*'stack'"):
+    labels = _labels(om.muon(0.1), params)
+  assert labels == {"stack": "adam", "w": "muon"}
+
+
+def test_dimension_numbers_route_like_optax_contrib():
+  params = {"stack": jnp.zeros((2, 8, 8)), "w": jnp.zeros((8, 8)), "b": jnp.zeros(8)}
+  dims = {"stack": DN(1, 2), "w": None, "b": None}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx = om.muon(0.1, muon_weight_dimension_numbers=dims)
+    assert _labels(tx, params) == {"stack": "muon", "w": "adam", "b": "adam"}
+    state = tx.init(params)
+    tx.update(_grads(params, 0), state, params)
+
+
+@pytest.mark.parametrize("labels", [
+    {"embed": "muon", "layer": {"kernel": "adam", "bias": "adam"}, "norm": "adam",
+     "lm_head": "muon"},
+    lambda p: {"embed": "muon", "layer": {"kernel": "adam", "bias": "adam"}, "norm": "adam",
+               "lm_head": "muon"},
+])
+def test_user_labels_tree_prefix_and_callable(labels):
+  params = _params()
+  tx = om.muon(0.1, labels=labels)
+  assert _labels(tx, params) == {"embed/embedding": "muon", "layer/kernel": "adam",
+                                 "layer/bias": "adam", "norm/scale": "adam",
+                                 "lm_head/kernel": "muon"}
+  state = tx.init(params)
+  u, _ = tx.update(_grads(params, 0), state, params)
+  # Muon on the embedding: its update is orthogonal (all singular values equal).
+  sv = np.linalg.svd(np.asarray(u["embed"]["embedding"]), compute_uv=False)
+  assert sv.max() / sv.min() < 1.7  # Jordan's σ spread, not AdamW's.
+
+
+@pytest.mark.parametrize("labels,match", [
+    ({"embed": "muon"}, r"labels does not match the params: no entry for leaf 'layer/bias'"),
+    ({"embed": "sgd", "layer": "adam", "norm": "adam", "lm_head": "adam"},
+     r"leaf 'embed/embedding' has label 'sgd'"),
+    ({"embed": "adam", "layer": "muon", "norm": "adam", "lm_head": "adam"},
+     r"layer/bias: Muon needs a matrix; got a 1-D leaf"),
+    ({"embed": "adam", "layer": "adam", "norm": "adam", "lm_head": "adam", "extra": "adam"},
+     r"entries \['extra'\] name no leaf"),
+])
+def test_bad_labels(labels, match):
+  with pytest.raises(ValueError, match=match):
+    om.muon(0.1, labels=labels).init(_params())
+
+
+def test_adam_branch_is_true_adamw_and_muon_decay_is_decoupled():
+  params = _params()
+  lr, wd, adam_lr, adam_wd = 0.05, 0.1, 0.003, 0.01
+  tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
+               adam_b2=0.98, coeffs="polar_express", steps=8)
+  adamw = optax.adamw(adam_lr, b2=0.98, weight_decay=adam_wd)
+  muon_only = om.scale_by_muon(coeffs="polar_express", steps=8)
+  adam_keys = ("embed", "norm", "lm_head")
+  s, s_adam = tx.init(params), adamw.init(params)
+  s_muon = muon_only.init({"w": params["layer"]["kernel"]})
+  for t in range(3):
+    g = _grads(params, t)
+    u, s = tx.update(g, s, params)
+    u_adam, s_adam = adamw.update(g, s_adam, params)
+    u_muon, s_muon = muon_only.update({"w": g["layer"]["kernel"]}, s_muon)
+    for k in adam_keys:
+      for a, b in zip(jax.tree.leaves(u[k]), jax.tree.leaves(u_adam[k])):
+        assert rel_err(a, b) < 1e-6
+    expected = -lr * (u_muon["w"] + wd * params["layer"]["kernel"])
+    assert rel_err(u["layer"]["kernel"], expected) < 1e-6
+    params = optax.apply_updates(params, u)
+
+
+def test_matches_optax_contrib_muon():
+  """Same configuration (all 2-D on Muon, NAdamW elsewhere): same updates."""
+  params = _params()
+  ours = om.muon(0.02, adam_pattern=None, adam_nesterov=True, scale="jordan")
+  theirs = optax.contrib.muon(0.02)
+  s1, s2 = ours.init(params), theirs.init(params)
+  for t in range(3):
+    g = _grads(params, t)
+    u1, s1 = jax.jit(ours.update)(g, s1, params)
+    u2, s2 = jax.jit(theirs.update)(g, s2, params)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+      assert rel_err(a, b) < 1e-5
+    params = optax.apply_updates(params, u1)
+
+
+def test_learning_rate_schedule_is_applied():
+  params = {"w": jnp.ones((8, 8)) + jnp.eye(8)}
+  schedule = optax.linear_schedule(0.1, 0.0, 4)
+  tx = om.muon(schedule, coeffs="polar_express", steps=8)
+  state = tx.init(params)
+  norms = []
+  for t in range(5):
+    u, state = tx.update(_grads(params, t), state, params)
+    norms.append(float(jnp.linalg.norm(u["w"], 2)))  # spectral norm = lr·scale
+  np.testing.assert_allclose(norms, [0.1, 0.075, 0.05, 0.025, 0.0], atol=1e-3)
+
+
+def test_summarize_rejects_foreign_transformations():
+  with pytest.raises(ValueError, match="needs a transformation from optax_muon"):
+    om.summarize(_params(), optax.adam(1e-3))
