@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,14 @@ class Block(nnx.Module):
     return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln2(x))))
 
 
+def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """table[tokens], with the output sharded like the tokens under an Explicit mesh."""
+  spec = jax.typeof(tokens).sharding.spec
+  if not any(spec):
+    return jnp.take(table, tokens, axis=0)
+  return table.at[tokens].get(out_sharding=P(*spec, None))
+
+
 class GPT(nnx.Module):
   """Token and position embeddings, blocks, final norm and an untied output head."""
 
@@ -74,7 +83,7 @@ class GPT(nnx.Module):
     self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    x = self.embed(tokens) + self.pos_embed[: tokens.shape[1]]
+    x = embedding_lookup(self.embed.embedding[...], tokens) + self.pos_embed[: tokens.shape[1]]
     for block in self.blocks:
       x = block(x)
     return self.lm_head(self.ln_f(x))

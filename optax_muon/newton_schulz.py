@@ -37,6 +37,33 @@ def _ns_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
   return x
 
 
+def _gram_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
+  """The same iteration carried out on m × m matrices; x has m ≤ n.
+
+  Every X_k is Q_k·X_0 with Q_k a polynomial in G = X_0·X_0ᵀ, so everything commutes:
+  P_k = a·I + b·A_k + c·A_k², Q_{k+1} = P_k·Q_k, A_{k+1} = P_k·A_k·P_k. Only G and the final
+  Q·X_0 touch the long side: 4·m²·n + 8·m³ per step instead of (4·m²·n + 2·m³) per step.
+  """
+  rows = jnp.asarray(rows, dtype=x.dtype)
+  eye = jnp.eye(x.shape[-2], dtype=x.dtype)
+
+  def poly(gram, abc):
+    return abc[0] * eye + abc[1] * gram + abc[2] * (gram @ gram)
+
+  def step(carry, abc):
+    q, gram = carry
+    p = poly(gram, abc)
+    return (p @ q, p @ (gram @ p)), None
+
+  gram = x @ jnp.swapaxes(x, -1, -2)
+  q = poly(gram, rows[0])  # Q_1 = P_0: no product with the identity.
+  if len(rows) > 1:
+    gram = q @ (gram @ q)
+    (q, gram), _ = jax.lax.scan(step, (q, gram), rows[1:-1])
+    q = poly(gram, rows[-1]) @ q  # The last A is never needed.
+  return q @ x
+
+
 def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
                   steps: int | None = None, compute_dtype: jnp.dtype | None = None,
                   eps: float | None = None) -> jax.Array:
