@@ -9,6 +9,7 @@ import optax
 
 from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike
+from optax_muon.newton_schulz import GRAM_RESTART
 from optax_muon.routing import ADAM, DEFAULT_ADAM_PATTERN, MUON, route
 from optax_muon.transform import MuonTransformation, scale_by_muon, with_config
 
@@ -29,6 +30,8 @@ def muon(
     steps: int | None = None,
     compute_dtype: jax.typing.DTypeLike | None = None,
     eps: float | None = None,
+    method: str = "auto",
+    gram_restart: int = GRAM_RESTART,
     scale: str | None = "jordan",
     rms_scale: jax.typing.ArrayLike = 0.2,
     deepseek_gamma: jax.typing.ArrayLike = 0.2,
@@ -60,7 +63,8 @@ def muon(
     learning_rate: Muon's learning rate η, a scalar or an ``optax.Schedule``.
     beta, momentum, nesterov, bias_correction, mu_dtype: Muon's momentum, see
       ``scale_by_muon``.
-    coeffs, steps, compute_dtype, eps: Newton–Schulz options, see ``newton_schulz``.
+    coeffs, steps, compute_dtype, eps, method, gram_restart: Newton–Schulz options, see
+      ``newton_schulz``.
     scale, rms_scale, deepseek_gamma: the update scale, see ``scale_by_muon``.
     weight_decay: λ for Muon leaves (multiplied by the learning rate, as in AdamW).
     weight_decay_mask: tree, prefix tree or callable of bools selecting decayed Muon leaves.
@@ -86,6 +90,7 @@ def muon(
   muon_tx = scale_by_muon(
       beta, momentum=momentum, nesterov=nesterov, bias_correction=bias_correction,
       mu_dtype=mu_dtype, coeffs=coeffs, steps=steps, compute_dtype=compute_dtype, eps=eps,
+      method=method, gram_restart=gram_restart,
       scale=scale, rms_scale=rms_scale, deepseek_gamma=deepseek_gamma,
       weight_dimension_numbers=muon_weight_dimension_numbers,
       bucket=bucket, param_shardings=param_shardings)

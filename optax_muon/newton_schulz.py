@@ -8,6 +8,10 @@ import numpy as np
 
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
 
+METHODS = ("standard", "gram", "auto")
+#: Steps between Gram restarts; see ``newton_schulz``.
+GRAM_RESTART = 3
+
 
 def _normalize(x: jax.Array, safety: float, eps: float) -> jax.Array:
   """X / (‖X‖_F·(1 + safety) + eps) per matrix, computed in float32 (or wider).
@@ -66,7 +70,8 @@ def _gram_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
 
 def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
                   steps: int | None = None, compute_dtype: jnp.dtype | None = None,
-                  eps: float | None = None) -> jax.Array:
+                  eps: float | None = None, method: str = "auto",
+                  gram_restart: int = GRAM_RESTART) -> jax.Array:
   """Approximates msign(x) = U·Vᵀ for every matrix in a batch.
 
   The iteration runs on the short side (x is transposed when rows > columns), starting
@@ -80,6 +85,11 @@ def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
     compute_dtype: dtype of the matrix products (e.g. ``jnp.bfloat16``); ``None`` keeps
       ``x.dtype``.
     eps: overrides the preset's epsilon in the normalization.
+    method: ``"standard"`` (X ← a·X + (b·A + c·A²)·X), ``"gram"`` (the same polynomial
+      carried out on the m × m Gram matrix, restarted from X every ``gram_restart`` steps),
+      or ``"auto"``: Gram where it needs fewer FLOPs (see ``uses_gram``).
+    gram_restart: steps between Gram restarts (the Gram iteration drifts in float32 as
+      singular values converge; a restart recomputes X = Q·X₀ and a fresh Gram matrix).
 
   Returns:
     An array of ``x``'s shape and dtype.
@@ -100,7 +110,12 @@ def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   x = _normalize(x, table.safety, table.eps).astype(compute_dtype)
-  x = _ns_iterations(x, np.asarray(table.rows))
+  rows = np.asarray(table.rows)
+  if uses_gram(method, x.shape[-2], x.shape[-1], table.steps, gram_restart, compute_dtype):
+    for start in range(0, len(rows), gram_restart):
+      x = _gram_iterations(x, rows[start:start + gram_restart])
+  else:
+    x = _ns_iterations(x, rows)
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   return x.astype(out_dtype)
@@ -129,7 +144,43 @@ def msign(x: jax.Array, *, rank_tol: float | None = None) -> jax.Array:
   return (u * keep[..., None, :]) @ vt
 
 
-def ns_flops(m: int, n: int, steps: int) -> int:
-  """FLOPs of ``steps`` NS steps on one m × n matrix: (4·m²·n + 2·m³) per step, m ≤ n."""
+def _gram_chunk_flops(m: int, n: int, steps: int) -> int:
+  """G and the final Q·X (4·m²·n); P_0 (2·m³); if more steps: A_1 (4·m³), 8·m³ per middle
+  step (A², P·Q, P·A·P) and 4·m³ for the last (A², P·Q)."""
+  if steps == 1:
+    return 4 * m * m * n + 2 * m**3
+  return 4 * m * m * n + 10 * m**3 + 8 * m**3 * (steps - 2)
+
+
+def ns_flops(m: int, n: int, steps: int, gram: bool = False,
+             gram_restart: int = GRAM_RESTART) -> int:
+  """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side m ≤ n).
+
+  Standard: (4·m²·n + 2·m³) per step. Gram: see ``_gram_iterations``.
+  """
   m, n = min(m, n), max(m, n)
-  return steps * (4 * m * m * n + 2 * m**3)
+  if not gram:
+    return steps * (4 * m * m * n + 2 * m**3)
+  chunks = [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]
+  return sum(_gram_chunk_flops(m, n, k) for k in chunks)
+
+
+def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_RESTART,
+              compute_dtype=jnp.float32) -> bool:
+  """Whether ``method`` runs the Gram iteration on an m × n matrix.
+
+  ``"auto"`` chooses it where it needs fewer FLOPs and the products run in float32 or wider
+  (in bf16 the Gram matrix's rounding error is squared into the result: measured 3e-2 vs
+  1e-2 for the standard iteration).
+
+  Raises:
+    ValueError: for an unknown method or a non-positive restart interval.
+  """
+  if method not in METHODS:
+    raise ValueError(f"Unknown Newton–Schulz method {method!r}; expected one of {METHODS}.")
+  if isinstance(gram_restart, bool) or not isinstance(gram_restart, int) or gram_restart < 1:
+    raise ValueError(f"gram_restart must be a positive integer, got {gram_restart!r}.")
+  if method != "auto":
+    return method == "gram"
+  return (jnp.finfo(compute_dtype).bits >= 32
+          and ns_flops(m, n, steps, True, gram_restart) < ns_flops(m, n, steps))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from optax_muon.coefficients import NSCoefficients
 from optax_muon.layout import MatrixLayout
-from optax_muon.newton_schulz import newton_schulz
+from optax_muon.newton_schulz import GRAM_RESTART, newton_schulz, ns_flops, uses_gram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,13 +20,27 @@ class NSOptions:
   Attributes:
     coefficients: the resolved schedule.
     compute_dtype: dtype of the NS matrix products; ``None`` keeps the input's.
+    method: ``"standard"``, ``"gram"`` or ``"auto"`` (see ``newton_schulz``).
+    gram_restart: steps between Gram restarts.
     bucket: stack same-shape matrices (in canonical orientation, short side first) into one
       batched NS call instead of one call per leaf.
   """
 
   coefficients: NSCoefficients
   compute_dtype: jnp.dtype | None = None
+  method: str = "auto"
+  gram_restart: int = GRAM_RESTART
   bucket: bool = True
+
+  def __post_init__(self):
+    uses_gram(self.method, 1, 1, 1, self.gram_restart)  # Validates both.
+
+  def flops(self, m: int, n: int, dtype=jnp.float32) -> int:
+    """NS FLOPs of one m × n matrix of ``dtype`` under these options."""
+    steps = self.coefficients.steps
+    gram = uses_gram(self.method, min(m, n), max(m, n), steps, self.gram_restart,
+                     self.compute_dtype or dtype)
+    return ns_flops(m, n, steps, gram, self.gram_restart)
 
 
 def canonical_shape(layout: MatrixLayout) -> tuple[int, int]:
@@ -58,7 +72,8 @@ def orthogonalize(leaves: list[jax.Array], layouts: list[MatrixLayout],
     The orthogonalized leaves, same shapes and dtypes as ``leaves``.
   """
   ns = lambda x: newton_schulz(x, options.coefficients,
-                               compute_dtype=options.compute_dtype)
+                               compute_dtype=options.compute_dtype, method=options.method,
+                               gram_restart=options.gram_restart)
   if not options.bucket:
     return [layout.from_matrices(ns(layout.to_matrices(x)))
             for x, layout in zip(leaves, layouts)]

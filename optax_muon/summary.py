@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from optax_muon import tree_utils
-from optax_muon.newton_schulz import ns_flops
 from optax_muon.orthogonalize import canonical_shape
 from optax_muon.routing import ADAM, MUON, Route
 from optax_muon.transform import MuonTransformation
@@ -105,7 +104,7 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
       m, n = canonical_shape(layout)
       row = dataclasses.replace(
           row, ns_matrix=(m, n), batch=layout.batch, scale=float(config.factor(layout)),
-          ns_flops=layout.batch * ns_flops(m, n, config.ns.coefficients.steps))
+          ns_flops=layout.batch * config.ns.flops(m, n, layout.dtype))
     rows.append(row)
   summary = RoutingSummary(tuple(rows))
   if print_table:

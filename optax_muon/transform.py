@@ -13,6 +13,7 @@ from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
 from optax_muon.layout import (SCALE_KINDS, MatrixLayout, make_layout,
                                resolve_dimension_numbers, scale_factor)
+from optax_muon.newton_schulz import GRAM_RESTART
 from optax_muon.orthogonalize import NSOptions, orthogonalize
 
 MOMENTUM_KINDS = ("ema", "sum")
@@ -107,6 +108,8 @@ def scale_by_muon(
     steps: int | None = None,
     compute_dtype: jax.typing.DTypeLike | None = None,
     eps: float | None = None,
+    method: str = "auto",
+    gram_restart: int = GRAM_RESTART,
     scale: str | None = "jordan",
     rms_scale: jax.typing.ArrayLike = 0.2,
     deepseek_gamma: jax.typing.ArrayLike = 0.2,
@@ -133,6 +136,9 @@ def scale_by_muon(
     steps: NS steps; ``None`` takes the preset's own count.
     compute_dtype: dtype of the NS matrix products (e.g. ``jnp.bfloat16``).
     eps: overrides the preset's normalization epsilon.
+    method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram-space NS where it saves FLOPs;
+      see ``newton_schulz``).
+    gram_restart: steps between Gram restarts.
     scale: ``"jordan"``, ``"spectral"``, ``"rms"``, ``"deepseek"`` or ``None``.
     rms_scale: the ``"rms"`` constant (0.2 matches AdamW's update RMS).
     deepseek_gamma: the ``"deepseek"`` γ.
@@ -157,7 +163,8 @@ def scale_by_muon(
                               "this version does not implement yet.")
   config = MuonConfig(
       ns=NSOptions(resolve_coefficients(coeffs, steps, eps),
-                   None if compute_dtype is None else jnp.dtype(compute_dtype), bucket),
+                   None if compute_dtype is None else jnp.dtype(compute_dtype), method,
+                   gram_restart, bucket),
       scale=scale, rms_scale=rms_scale, deepseek_gamma=deepseek_gamma,
       weight_dimension_numbers=weight_dimension_numbers)
 

@@ -60,10 +60,14 @@ def test_default_routing_of_nnx_gpt():
 
 def test_summary_costs():
   params = {"w": jnp.zeros((64, 256)), "stack": jnp.zeros((3, 256, 64))}
-  tx = om.scale_by_muon(coeffs="polar_express", steps=6,
-                        weight_dimension_numbers={"w": None, "stack": DN(1, 2)})
+  dims = {"w": None, "stack": DN(1, 2)}
+  tx = om.scale_by_muon(coeffs="polar_express", steps=6, method="standard",
+                        weight_dimension_numbers=dims)
   rows = {r.path: r for r in om.summarize(params, tx).rows}
   assert rows["w"].ns_flops == 6 * (4 * 64 * 64 * 256 + 2 * 64**3)
+  # Gram: 2 chunks of 3 steps, each 4·m²·n + 10·m³ + 8·m³.
+  gram = om.scale_by_muon(coeffs="polar_express", steps=6, weight_dimension_numbers=dims)
+  assert {r.path: r for r in om.summarize(params, gram).rows}["w"].ns_flops == 2 * (4 * 64 * 64 * 256 + 18 * 64**3)
   assert rows["stack"].ns_flops == 3 * rows["w"].ns_flops
   assert rows["stack"].ns_matrix == (64, 256) and rows["stack"].scale == 1.0
   assert rows["w"].scale == 2.0

@@ -189,3 +189,26 @@ def test_property_polar_express_is_orthogonal(m, n, dtype, log_scale, seed):
   assert np.all(np.isfinite(got))
   tol = 2e-3 if dtype == jnp.float32 else 6e-2
   assert np.abs(got - 1).max() < tol, got
+
+
+@pytest.mark.parametrize("preset,steps", [("jordan", 5), ("polar_express", 6),
+                                          ("polar_express", 8)])
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (24, 24)])
+def test_gram_iteration_matches_standard(preset, steps, shape):
+  """Gram-space NS (with restarts) is the same iteration: within 2e-5 in float32."""
+  x = _two_decade_matrices(*shape, batch=2, seed=9)
+  standard = om.newton_schulz(x, preset, steps=steps, method="standard")
+  gram = om.newton_schulz(x, preset, steps=steps, method="gram")
+  assert rel_err(gram, standard) < 2e-5
+
+
+def test_auto_method_picks_gram_only_where_it_saves_flops():
+  from optax_muon.newton_schulz import uses_gram
+  assert uses_gram("auto", 256, 1024, 5)
+  assert not uses_gram("auto", 256, 256, 5)
+  assert not uses_gram("auto", 256, 1024, 5, compute_dtype=jnp.bfloat16)
+  assert om.ns_flops(256, 1024, 5, gram=True) < 0.7 * om.ns_flops(256, 1024, 5)
+  with pytest.raises(ValueError, match="Unknown Newton–Schulz method 'fast'"):
+    om.newton_schulz(jnp.ones((4, 8)), method="fast")
+  with pytest.raises(ValueError, match="gram_restart must be a positive integer"):
+    om.newton_schulz(jnp.ones((4, 8)), gram_restart=0)
