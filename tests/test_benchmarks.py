@@ -1,0 +1,30 @@
+"""The benchmarks run in their --quick modes (they print tables; no timing is asserted)."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import orthogonality  # noqa: E402
+import single_device  # noqa: E402
+
+
+def test_single_device_quick(capsys):
+  update_rows, ns_rows = single_device.main(["--quick"])
+  names = {r["optimizer"] for r in update_rows}
+  assert {"optax.contrib.muon", "optax.adamw", "optax_muon (method=auto)",
+          "optax_muon (method=standard)"} <= names
+  assert all(r["ms"] > 0 for r in update_rows)
+  assert {r["method"] for r in ns_rows} == {"standard", "auto"}
+  assert "vs_contrib" in capsys.readouterr().out
+
+
+def test_orthogonality_quick():
+  rows = orthogonality.main(["--quick"])
+  by_name = {(r["coefficients"], r["steps"]): r for r in rows}
+  # The exact bounds order the presets as documented.
+  assert by_name[("polar_express", 8)]["exact [1e-3, 1]"] < 1e-6
+  assert by_name[("deepseek_v4", 10)]["exact [1e-3, 1]"] < 1e-3
+  assert by_name[("jordan", 5)]["exact [1e-3, 1]"] > 0.5
+  # Measured in f32: Polar Express ×8 is orthogonal on the power-law spectrum.
+  assert by_name[("polar_express", 8)]["power law float32"] < 1e-2
