@@ -6,11 +6,35 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from jax.sharding import NamedSharding
 
 from optax_muon import tree_utils
 from optax_muon.orthogonalize import canonical_shape
 from optax_muon.routing import ADAM, MUON, Route
-from optax_muon.transform import MuonTransformation
+from optax_muon.plan import Plan
+from optax_muon.sharding import resolve_param_shardings
+from optax_muon.transform import MuonConfig, MuonTransformation
+
+
+def _plan(params: Any, config: MuonConfig, layouts: list) -> tuple[Plan | None, dict]:
+  """The plan of the sharded Muon leaves, and position → index into ``plan.leaves``.
+
+  Shardings come from ``param_shardings`` if the transformation has them, else from the
+  params themselves (arrays or ``ShapeDtypeStruct``s with a ``NamedSharding``).
+  """
+  positions, _ = tree_utils.flatten_positions(params)
+  given = resolve_param_shardings(config.param_shardings, params)
+  muon = [i for i, layout in enumerate(layouts) if layout is not None]
+  if given is None:
+    given = [getattr(leaf, "sharding", None) for _, leaf in positions]
+    given = [s if isinstance(s, NamedSharding) else None for s in given]
+  shardings = config.shardings([layouts[i] for i in muon], [None] * len(muon),
+                               [given[i] for i in muon])
+  sharded = [(i, s) for i, s in zip(muon, shardings) if s is not None]
+  if not sharded:
+    return None, {}
+  plan = config.plan([layouts[i] for i, _ in sharded], [s for _, s in sharded])
+  return plan, {i: k for k, (i, _) in enumerate(sharded)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +49,7 @@ class LeafSummary:
     batch: how many such matrices the leaf holds.
     scale: the update-scale factor.
     ns_flops: NS FLOPs per step for the whole leaf.
+    placement: where its matrices are orthogonalized (sharded leaves only).
   """
 
   path: str
@@ -36,13 +61,20 @@ class LeafSummary:
   batch: int | None = None
   scale: float | None = None
   ns_flops: int | None = None
+  placement: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class RoutingSummary:
-  """The routing summary: ``rows``, and a table via ``str()``."""
+  """The routing summary: ``rows``, and a table via ``str()``.
+
+  Attributes:
+    rows: one per leaf.
+    plan: the orthogonalization plan of the sharded Muon leaves, if any.
+  """
 
   rows: tuple[LeafSummary, ...]
+  plan: Plan | None = None
 
   def by_optimizer(self, optimizer: str) -> list[LeafSummary]:
     return [r for r in self.rows if r.optimizer == optimizer]
@@ -53,15 +85,20 @@ class RoutingSummary:
 
   def __str__(self) -> str:
     header = ("path", "shape", "dtype", "optimizer", "reason", "NS matrix", "batch", "scale",
-              "NS GFLOP")
+              "NS GFLOP", "NS placement")
     body = [(r.path, "×".join(map(str, r.shape)) or "()", r.dtype,
              "Muon" if r.optimizer == MUON else "AdamW", r.reason,
              f"{r.ns_matrix[0]}×{r.ns_matrix[1]}" if r.ns_matrix else "",
              str(r.batch or ""), f"{r.scale:.3g}" if r.scale is not None else "",
-             f"{r.ns_flops / 1e9:.3f}" if r.ns_flops else "") for r in self.rows]
+             f"{r.ns_flops / 1e9:.3f}" if r.ns_flops else "", r.placement)
+            for r in self.rows]
     n_muon, n_adam = len(self.by_optimizer(MUON)), len(self.by_optimizer(ADAM))
     footer = (f"{n_muon} leaves on Muon, {n_adam} on AdamW; NS "
               f"{self.total_ns_flops / 1e9:.3f} GFLOP per step.")
+    if self.plan is not None:
+      footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
+                 f"{self.plan.ns_flops_per_device() / 1e9:.3f} GFLOP per device (ideal "
+                 f"{self.plan.ideal_ns_flops_per_device() / 1e9:.3f}).")
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
     rule = "  ".join("-" * w for w in widths)
@@ -95,8 +132,9 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
   else:
     routes = tx.muon_router(params)
   layouts = config.layouts(params, [r is not None and r.label == MUON for r in routes])
+  plan, plan_index = _plan(params, config, layouts)
   rows = []
-  for (_, leaf), r, layout in zip(positions, routes, layouts):
+  for i, ((_, leaf), r, layout) in enumerate(zip(positions, routes, layouts)):
     if r is None:
       continue
     row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.label, r.reason)
@@ -104,9 +142,10 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
       m, n = canonical_shape(layout)
       row = dataclasses.replace(
           row, ns_matrix=(m, n), batch=layout.batch, scale=float(config.factor(layout)),
-          ns_flops=layout.batch * config.ns.flops(m, n, layout.dtype))
+          ns_flops=layout.batch * config.ns.flops(m, n, layout.dtype),
+          placement=plan.leaf_placement(plan_index[i]) if i in plan_index else "")
     rows.append(row)
-  summary = RoutingSummary(tuple(rows))
+  summary = RoutingSummary(tuple(rows), plan)
   if print_table:
     print(summary)
   return summary

@@ -10,6 +10,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon import tree_utils
+from optax_muon.distributed import global_shape, orthogonalize_local, orthogonalize_sharded
+from optax_muon.plan import REPLICA_POLICIES, Plan, build_plan
+from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
+                                 resolve_param_shardings)
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
 from optax_muon.layout import (SCALE_KINDS, MatrixLayout, make_layout,
                                resolve_dimension_numbers, scale_factor)
@@ -36,6 +40,9 @@ class MuonConfig:
     rms_scale: the ``"rms"`` constant.
     deepseek_gamma: the ``"deepseek"`` γ.
     weight_dimension_numbers: as passed to ``scale_by_muon``.
+    param_shardings: as passed to ``scale_by_muon``.
+    replica_policy: ``"split"`` or ``"redundant"`` (see ``plan``).
+    wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
   """
 
   ns: NSOptions
@@ -43,6 +50,9 @@ class MuonConfig:
   rms_scale: Any
   deepseek_gamma: Any
   weight_dimension_numbers: Any
+  param_shardings: Any = None
+  replica_policy: str = "split"
+  wire_dtype: Any = None
 
   def layouts(self, tree: Any, selected: list[bool] | None = None
               ) -> list[MatrixLayout | None]:
@@ -69,6 +79,39 @@ class MuonConfig:
     return scale_factor(layout.n_in, layout.n_out, self.scale, rms_scale=self.rms_scale,
                         deepseek_gamma=self.deepseek_gamma)
 
+  def shardings(self, layouts: list[MatrixLayout], typed: list[Any],
+                given: list[Any] | None) -> list[LeafSharding | None]:
+    return leaf_shardings([l.shape for l in layouts], typed, [l.path for l in layouts], given)
+
+  def plan(self, layouts: list[MatrixLayout], shardings: list[LeafSharding]) -> Plan:
+    return build_plan(layouts, shardings, self.ns, self.replica_policy)
+
+  def orthogonalize(self, xs: list[jax.Array], layouts: list[MatrixLayout],
+                    given: list[Any] | None, manual: bool) -> list[jax.Array]:
+    """NS of every Muon leaf: sharded leaves by the plan, the others bucketed locally.
+
+    Args:
+      xs: the NS inputs (global arrays, or local blocks when ``manual``).
+      layouts: their global layouts.
+      given: their ``param_shardings`` entries, or None.
+      manual: inside a ``shard_map`` (``xs`` are local blocks).
+    """
+    typed = [None if manual else getattr(jax.typeof(x), "sharding", None) for x in xs]
+    shardings = self.shardings(layouts, typed, given)
+    sharded = [i for i, s in enumerate(shardings) if s is not None]
+    local = [i for i, s in enumerate(shardings) if s is None]
+    out = [None] * len(xs)
+    if local:
+      for i, y in zip(local, orthogonalize([xs[i] for i in local], [layouts[i] for i in local],
+                                           self.ns)):
+        out[i] = y
+    if sharded:
+      plan = self.plan([layouts[i] for i in sharded], [shardings[i] for i in sharded])
+      run = orthogonalize_local if manual else orthogonalize_sharded
+      for i, y in zip(sharded, run([xs[i] for i in sharded], plan, self.wire_dtype)):
+        out[i] = y
+    return out
+
 
 class MuonTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation that also carries how it treats each leaf.
@@ -89,6 +132,27 @@ def with_config(tx: optax.GradientTransformation, config: MuonConfig,
   out.muon_config = config
   out.muon_router = router
   return out
+
+
+def _inside_shard_map() -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and bool(mesh.manual_axes)
+
+
+def _global_shapes(tree: Any, given: list[Any] | None) -> Any:
+  """Inside ``shard_map`` the leaves are local blocks: their global shapes, as structs."""
+  if given is None:
+    raise ValueError("optax_muon: inside shard_map the leaves are local blocks; pass "
+                     "param_shardings so that Muon knows each leaf's global shape and mesh.")
+  positions, treedef = tree_utils.flatten_positions(tree)
+  out = []
+  for (path, leaf), sharding in zip(positions, given):
+    if not tree_utils.is_array_leaf(leaf) or sharding is None:
+      out.append(leaf)
+      continue
+    local = LeafSharding(sharding.mesh, dim_axes_of(sharding.spec, leaf.ndim))
+    out.append(jax.ShapeDtypeStruct(global_shape(leaf.shape, local), leaf.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _zeros_like(x, dtype):
@@ -116,6 +180,8 @@ def scale_by_muon(
     weight_dimension_numbers: Any = None,
     bucket: bool = True,
     param_shardings: Any = None,
+    replica_policy: str = "split",
+    wire_dtype: jax.typing.DTypeLike | None = None,
 ) -> MuonTransformation:
   """Muon's direction: orthogonalized momentum, scaled by the matrix shape.
 
@@ -146,7 +212,13 @@ def scale_by_muon(
       single value or callable ``updates -> tree``; ``None`` entries mean a plain 2-D
       ``x @ W`` matrix.
     bucket: stack same-shape matrices into one batched NS call.
-    param_shardings: reserved for sharded parameters; must be ``None`` for now.
+    param_shardings: a tree (or prefix tree) of ``NamedSharding`` mirroring the params, for
+      Auto meshes and ``shard_map`` train steps. On Explicit meshes the leaves' types carry
+      their shardings and this may stay ``None``. Sharded leaves are orthogonalized by the
+      plan (``optax_muon.plan``): each whole matrix on exactly one device.
+    replica_policy: for leaves replicated over some mesh axes: ``"split"`` the NS work
+      among the replicas and all-gather, or compute it ``"redundant"``ly on each.
+    wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the bytes).
 
   Returns:
     A ``MuonTransformation`` (an ``optax.GradientTransformationExtraArgs``).
@@ -158,15 +230,17 @@ def scale_by_muon(
     raise ValueError(f"momentum must be one of {MOMENTUM_KINDS}, got {momentum!r}.")
   if scale not in SCALE_KINDS:
     raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}.")
-  if param_shardings is not None:
-    raise NotImplementedError("param_shardings is reserved for the sharded update, which "
-                              "this version does not implement yet.")
+  if replica_policy not in REPLICA_POLICIES:
+    raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got "
+                     f"{replica_policy!r}.")
   config = MuonConfig(
       ns=NSOptions(resolve_coefficients(coeffs, steps, eps),
                    None if compute_dtype is None else jnp.dtype(compute_dtype), method,
                    gram_restart, bucket),
       scale=scale, rms_scale=rms_scale, deepseek_gamma=deepseek_gamma,
-      weight_dimension_numbers=weight_dimension_numbers)
+      weight_dimension_numbers=weight_dimension_numbers, param_shardings=param_shardings,
+      replica_policy=replica_policy,
+      wire_dtype=None if wire_dtype is None else jnp.dtype(wire_dtype))
 
   def init_fn(params):
     config.layouts(params)  # Validates every leaf now rather than at the first update.
@@ -193,12 +267,16 @@ def scale_by_muon(
     del params, extra_args
     positions, treedef = tree_utils.flatten_positions(updates)
     mu_positions, _ = tree_utils.flatten_positions(state.mu)
-    layouts = config.layouts(updates)
+    given = resolve_param_shardings(param_shardings, updates)
+    manual = _inside_shard_map()
+    layouts = config.layouts(_global_shapes(updates, given) if manual else updates)
     index = [i for i, layout in enumerate(layouts) if layout is not None]
     grads = [positions[i][1] for i in index]
     count = optax.safe_increment(state.count)
     new_mu, ns_inputs = directions(grads, [mu_positions[i][1] for i in index], count)
-    orthogonal = orthogonalize(ns_inputs, [layouts[i] for i in index], config.ns)
+    orthogonal = config.orthogonalize(ns_inputs, [layouts[i] for i in index],
+                                      None if given is None else [given[i] for i in index],
+                                      manual)
 
     out_updates = [leaf for _, leaf in positions]
     out_mu = [leaf for _, leaf in mu_positions]

@@ -8,6 +8,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402

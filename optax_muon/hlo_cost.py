@@ -1,0 +1,158 @@
+"""Per-device figures read off a compiled XLA program: matmul FLOPs, collectives, memory.
+
+XLA's own ``cost_analysis`` counts a while-loop body once; here every instruction is
+weighted by the trip counts of the loops around it (``known_trip_count``), so an NS loop of
+5 steps counts 5 times. Received bytes follow the ring model of ``shared/notes/muon.md``:
+all-gather and all-to-all B·(g−1)/g, reduce-scatter B·(g−1), all-reduce 2·B·(g−1)/g,
+collective-permute B, with B the output bytes and g the group size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_CALLEE = re.compile(r"\b(?:calls|body|to_apply|branch_computations|condition)=\{?%?([\w.\-]+)")
+_COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
+                "collective-permute")
+
+
+def _array_bytes(type_text: str) -> int:
+  return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+             for dt, dims in _ARRAY.findall(type_text))
+
+
+def _dims(type_text: str) -> list[int]:
+  match = _ARRAY.search(type_text)
+  return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _group_size(line: str, default: int) -> int:
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+  if iota:
+    return int(iota.group(2))
+  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+  if groups and groups.group(1):
+    return len(groups.group(1).split(","))
+  return default
+
+
+@dataclasses.dataclass
+class Collective:
+  """One collective: its kind, output bytes, group size, and whether it sits in a loop."""
+
+  kind: str
+  output_bytes: int
+  group_size: int
+  multiplicity: int
+  in_loop: bool
+
+  @property
+  def received_bytes(self) -> float:
+    b, g = self.output_bytes, self.group_size
+    per_call = {"all-gather": b * (g - 1) / g, "all-to-all": b * (g - 1) / g,
+                "reduce-scatter": b * (g - 1), "all-reduce": 2 * b * (g - 1) / g,
+                "collective-permute": b}[self.kind]
+    return per_call * self.multiplicity
+
+
+@dataclasses.dataclass
+class HloCost:
+  """Per-device figures of one compiled program.
+
+  Attributes:
+    dot_flops: 2·|out|·|contracted| summed over dot instructions, times loop trip counts.
+    collectives: every collective instruction.
+    temp_bytes: XLA's temp allocation (``memory_analysis().temp_size_in_bytes``).
+  """
+
+  dot_flops: int
+  collectives: list[Collective]
+  temp_bytes: int
+
+  @property
+  def received_bytes(self) -> float:
+    return sum(c.received_bytes for c in self.collectives)
+
+  @property
+  def collectives_in_loops(self) -> int:
+    return sum(c.in_loop for c in self.collectives)
+
+
+def analyze(compiled, device_count: int) -> HloCost:
+  """Reads the figures off ``jax.jit(f).lower(...).compile()``.
+
+  Args:
+    compiled: a compiled JAX program.
+    device_count: default group size for collectives without explicit groups.
+
+  Returns:
+    An ``HloCost``.
+  """
+  text = compiled.as_text()
+  computations: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(1)
+      computations[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+    elif current is not None and line.strip() != "}":
+      computations[current].append(line)
+
+  # Multiplicity of each computation: product of trip counts of the loops that reach it.
+  multiplicity: dict[str, int] = defaultdict(int)
+  in_loop: dict[str, bool] = defaultdict(bool)
+
+  def visit(name: str, times: int, looped: bool) -> None:
+    multiplicity[name] += times
+    in_loop[name] = in_loop[name] or looped
+    for line in computations.get(name, []):
+      inst = _INSTRUCTION.match(line)
+      if not inst:
+        continue
+      if inst.group(3) == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+        body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
+        visit(body, times * (int(trips.group(1)) if trips else 1), True)
+        continue
+      for callee in _CALLEE.findall(line):
+        if callee in computations:
+          visit(callee, times, looped)
+
+  visit(entry, 1, False)
+
+  flops, collectives = 0, []
+  for name, lines in computations.items():
+    times = multiplicity.get(name, 0)
+    if not times:
+      continue
+    shapes = {}
+    for line in lines:
+      inst = _INSTRUCTION.match(line)
+      if not inst:
+        continue
+      result, type_text, opcode, rest = inst.groups()
+      shapes[result] = type_text
+      if opcode == "dot":
+        lhs = rest.split(",")[0].split()[-1].lstrip("%")
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        lhs_dims = _dims(shapes.get(lhs, ""))
+        contracted = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
+        flops += times * 2 * math.prod(_dims(type_text)) * contracted
+      base = opcode.removesuffix("-start")
+      if base in _COLLECTIVES and not opcode.endswith("-done"):
+        collectives.append(Collective(base, _array_bytes(type_text),
+                                      _group_size(line, device_count), times, in_loop[name]))
+  memory = compiled.memory_analysis()
+  return HloCost(flops, collectives, int(getattr(memory, "temp_size_in_bytes", 0)))

@@ -1,0 +1,139 @@
+"""Reading shardings: which mesh axes split each dimension of a leaf, on which mesh.
+
+Explicit meshes carry the sharding in each array's type (``jax.typeof(x).sharding``); under
+Auto meshes the user passes ``param_shardings``. Everything here runs at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from optax_muon import tree_utils
+
+DimAxes = tuple[tuple[str, ...], ...]  # per leaf dimension, the mesh axes splitting it
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSharding:
+  """How one leaf is laid out over a mesh.
+
+  Attributes:
+    mesh: the (possibly abstract) mesh.
+    dim_axes: per leaf dimension, the mesh axes that split it, major to minor.
+  """
+
+  mesh: Any
+  dim_axes: DimAxes
+
+  @property
+  def spec(self) -> PartitionSpec:
+    return PartitionSpec(*[None if not axes else axes[0] if len(axes) == 1 else axes
+                           for axes in self.dim_axes])
+
+  def shards(self, dim: int) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.dim_axes[dim])
+
+  def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(size // self.shards(d) for d, size in enumerate(shape))
+
+  @property
+  def used_axes(self) -> set[str]:
+    return {a for axes in self.dim_axes for a in axes}
+
+
+def dim_axes_of(spec: PartitionSpec, ndim: int) -> DimAxes:
+  """A PartitionSpec as one tuple of axis names per dimension."""
+  entries = tuple(spec) + (None,) * (ndim - len(spec))
+  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+               for e in entries)
+
+
+def _mesh_signature(mesh) -> tuple:
+  return tuple(mesh.shape.items())
+
+
+def _is_explicit_sharding(sharding: Any) -> bool:
+  mesh = getattr(sharding, "mesh", None)
+  return (isinstance(sharding, NamedSharding) and mesh is not None and not mesh.empty
+          and any(t == AxisType.Explicit for t in mesh.axis_types))
+
+
+def check_axis_types(mesh, where: str) -> None:
+  """Raises for a mesh mixing Explicit and Auto axes (the two need different handling)."""
+  types = set(mesh.axis_types)
+  if AxisType.Explicit in types and AxisType.Auto in types:
+    raise ValueError(f"{where}: the mesh mixes Explicit and Auto axes "
+                     f"({dict(zip(mesh.axis_names, mesh.axis_types))}); optax_muon needs all "
+                     "of a mesh's axes Explicit, or all Auto with param_shardings.")
+
+
+def leaf_shardings(shapes: list[tuple[int, ...]], typed: list[Any], paths: list[str],
+                   param_shardings: list[Any] | None) -> list[LeafSharding | None]:
+  """The sharding of each Muon leaf, from ``param_shardings`` or the leaves' types.
+
+  Args:
+    shapes: the leaves' global shapes.
+    typed: each leaf's typed sharding (``jax.typeof(x).sharding``), or None.
+    paths: their paths, for messages.
+    param_shardings: one ``NamedSharding`` (or None) per leaf, or None.
+
+  Returns:
+    One ``LeafSharding`` per leaf, or None for a leaf with no sharding information.
+
+  Raises:
+    ValueError: for mixed Explicit/Auto meshes, leaves on different meshes, a
+      ``param_shardings`` entry that is not a ``NamedSharding`` or disagrees with an Explicit
+      leaf's type, or a dimension that does not divide evenly over its mesh axes.
+  """
+  out = []
+  for i, (shape, typed, path) in enumerate(zip(shapes, typed, paths)):
+    ndim = len(shape)
+    given = param_shardings[i] if param_shardings is not None else None
+    if given is not None and not isinstance(given, NamedSharding):
+      raise ValueError(f"{path}: param_shardings must hold NamedSharding values; got "
+                       f"{type(given).__name__}.")
+    explicit = _is_explicit_sharding(typed)
+    if explicit:
+      check_axis_types(typed.mesh, path)
+    if given is not None:
+      check_axis_types(given.mesh, path)
+    if explicit and given is not None:
+      if (dim_axes_of(given.spec, ndim) != dim_axes_of(typed.spec, ndim)
+          or _mesh_signature(given.mesh) != _mesh_signature(typed.mesh)):
+        raise ValueError(f"{path}: param_shardings says {given.spec} on mesh "
+                         f"{dict(given.mesh.shape)}, but the leaf is typed {typed.spec} on "
+                         f"{dict(typed.mesh.shape)}.")
+    source = typed if explicit else given
+    if source is None:
+      if getattr(typed, "mesh", None) is not None and not typed.mesh.empty:
+        warnings.warn(f"optax_muon: {path} is on a mesh with Auto axes and no "
+                      "param_shardings were given, so Newton–Schulz is left to XLA's "
+                      "partitioner (possibly redundant or with collectives inside the "
+                      "loop). Pass param_shardings to muon/scale_by_muon.", stacklevel=4)
+      out.append(None)
+      continue
+    sharding = LeafSharding(source.mesh, dim_axes_of(source.spec, ndim))
+    for d, size in enumerate(shape):
+      if size % sharding.shards(d):
+        raise ValueError(f"{path}: dimension {d} of size {size} does not divide evenly over "
+                         f"mesh axes {sharding.dim_axes[d]} ({sharding.shards(d)} shards).")
+    out.append(sharding)
+  meshes = {_mesh_signature(s.mesh) for s in out if s is not None}
+  if len(meshes) > 1:
+    raise ValueError(f"optax_muon: the Muon leaves live on different meshes: {meshes}.")
+  return out
+
+
+def resolve_param_shardings(param_shardings: Any, tree: Any) -> list[Any] | None:
+  """One NamedSharding (or None) per position of ``tree``, from a tree or prefix tree."""
+  if param_shardings is None:
+    return None
+  return tree_utils.broadcast_prefix(
+      param_shardings, tree, is_value=lambda x: isinstance(x, NamedSharding),
+      what="param_shardings")
