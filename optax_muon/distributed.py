@@ -66,6 +66,22 @@ def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array) ->
   return jnp.transpose(t, order).reshape(group.exchange_size, slots, -1)
 
 
+def _all_to_all(buffer: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """all-to-all of a (g, T) buffer over ``axes``; 16-bit data travels packed in uint32.
+
+  Packing keeps bf16 at 2 bytes per value on backends (such as XLA:CPU) that would
+  otherwise widen 16-bit collectives to float32.
+  """
+  if buffer.dtype.itemsize != 2:
+    return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True)
+  g, size = buffer.shape
+  padded = jnp.pad(buffer, ((0, 0), (0, size % 2)))
+  packed = jax.lax.bitcast_convert_type(padded.reshape(g, -1, 2), jnp.uint32)
+  packed = jax.lax.all_to_all(packed, axes, 0, 0, tiled=True)
+  unpacked = jax.lax.bitcast_convert_type(packed, buffer.dtype).reshape(g, -1)
+  return unpacked[:, :size]
+
+
 def _index(axes: tuple[str, ...]):
   return jax.lax.axis_index(axes) if axes else 0
 
@@ -144,7 +160,7 @@ def orthogonalize_local(blocks: list[jax.Array], plan: Plan, wire_dtype=None
     buffer = jnp.concatenate(sends, axis=1)  # (g, Σ S·L)
     # 2. One all-to-all over X: each device receives the pieces of the matrices it owns.
     if g > 1:
-      buffer = jax.lax.all_to_all(buffer, x_axes, 0, 0, tiled=True)
+      buffer = _all_to_all(buffer, x_axes)
     owner = _index(x_axes)
     replies = []
     for b, chunk in zip(group.buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
@@ -159,7 +175,7 @@ def orthogonalize_local(blocks: list[jax.Array], plan: Plan, wire_dtype=None
     # 4. One all-to-all back: each device receives its pieces of every local matrix.
     buffer = jnp.concatenate(replies, axis=1)
     if g > 1:
-      buffer = jax.lax.all_to_all(buffer, x_axes, 0, 0, tiled=True)
+      buffer = _all_to_all(buffer, x_axes)
     for b, chunk in zip(group.buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
       pieces = chunk.reshape(g * b.slots, -1)[:b.matrices]
       start = 0
@@ -177,7 +193,10 @@ def orthogonalize_sharded(leaves: list[jax.Array], plan: Plan, wire_dtype=None
   mesh = plan.leaves[0].sharding.mesh
   specs = tuple(p.sharding.spec for p in plan.leaves)
   body = lambda *blocks: tuple(orthogonalize_local(list(blocks), plan, wire_dtype))
-  return list(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs)(*leaves))
+  # check_vma=False: an all-gather's result is the same on every replica (as the out_specs
+  # say), but JAX's type system marks it as varying.
+  return list(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs,
+                            check_vma=False)(*leaves))
 
 
 def global_shape(local_shape: tuple[int, ...], sharding) -> tuple[int, ...]:
