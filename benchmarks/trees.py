@@ -38,8 +38,11 @@ def gpt_tree(d: int, layers: int, *, stacked: bool = False, vocab: int = 256,
           "lm_head": make((d, vocab))}
 
 
-def muon_dims(params: dict, *, contrib: bool = False):
-  """Dimension numbers: (L, n_in, n_out) → per-layer matrices, 2-D → itself, else None."""
+def muon_dims(params: dict, *, contrib: bool = False, adam: tuple[str, ...] = ()):
+  """Dimension numbers: (L, n_in, n_out) → per-layer matrices, 2-D → itself, else None.
+
+  Top-level entries named in ``adam`` (e.g. the embedding and head) get None: AdamW.
+  """
   cls = optax.contrib.MuonDimensionNumbers if contrib else optax_muon.MuonDimensionNumbers
 
   def dims(x):
@@ -47,7 +50,8 @@ def muon_dims(params: dict, *, contrib: bool = False):
       return cls(1, 2)
     return cls(0, 1) if x.ndim == 2 else None
 
-  return jax.tree.map(dims, params)
+  return {k: jax.tree.map(lambda _: None, v) if k in adam else jax.tree.map(dims, v)
+          for k, v in params.items()}
 
 
 def random_like(params: dict, seed: int) -> dict:

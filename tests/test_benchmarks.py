@@ -28,3 +28,14 @@ def test_orthogonality_quick():
   assert by_name[("jordan", 5)]["exact [1e-3, 1]"] > 0.5
   # Measured in f32: Polar Express ×8 is orthogonal on the power-law spectrum.
   assert by_name[("polar_express", 8)]["power law float32"] < 1e-2
+
+
+def test_sharding_quick():
+  import sharding
+  rows = sharding.main(["--quick"])
+  ours = [r for r in rows if r["optimizer"] == "optax_muon" and "4 layers" in r["tree"]]
+  assert ours and all(r["flops"] <= 1.05 and r["bytes"] <= 1.05 and r["in loops"] == 0
+                      for r in ours)
+  contrib_explicit = [r for r in rows if r["optimizer"] == "optax.contrib.muon"
+                      and r["axes"] == "Explicit"]
+  assert all(r.get("error") == "ShardingTypeError" for r in contrib_explicit)
