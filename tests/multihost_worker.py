@@ -1,0 +1,62 @@
+"""One process of the 2-process × 4-device run (see test_multihost.py).
+
+Usage: python multihost_worker.py PORT PROCESS_ID
+"""
+
+import os
+import pathlib
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+root = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(root / "benchmarks"))
+sys.path.insert(0, str(root / "tests"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import optax_muon  # noqa: E402
+from trees import gpt_tree  # noqa: E402
+
+
+def main(port: str, process_id: int) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  assert jax.device_count() == 8 and jax.local_device_count() == 4
+  params = jax.tree.map(np.asarray, gpt_tree(32, 4))
+  rng = np.random.default_rng(7)
+  grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
+           for _ in range(2)]
+
+  # Single-process reference on this process's first device.
+  tx_ref = optax_muon.muon(0.1, method="standard")
+  state = tx_ref.init(params)
+  for g in grads:
+    reference, state = jax.jit(tx_ref.update)(g, state, params)
+
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  specs = jax.tree.map(lambda x: P("fsdp") if x.ndim == 2 else P(), params)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  put = lambda tree: jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
+      shardings)
+  tx = optax_muon.muon(0.1, method="standard")
+  sharded_params = put(params)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded_params)
+    for g in grads:
+      updates, state = jax.jit(tx.update)(put(g), state, sharded_params)
+  gathered = multihost_utils.process_allgather(updates, tiled=True)
+  worst = max(float(np.max(np.abs(a - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)))
+  plan = optax_muon.summarize(sharded_params, tx).plan
+  print(f"MULTIHOST process {process_id}: max relative difference {worst:.2e}; "
+        f"plan on {plan.device_count} devices", flush=True)
+  assert worst < 1e-5, worst
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], int(sys.argv[2]))
