@@ -45,7 +45,9 @@ def fsdp_specs(params, axis="fsdp"):
   def spec(x):
     if x.ndim == 3:
       return P(None, axis, None)
-    return P(axis) if x.ndim == 2 else P()
+    if x.ndim == 2:  # a matrix, or stacked per-layer vectors (L, d)
+      return P(axis) if x.shape[0] % N == 0 else P(None, axis)
+    return P()
   return jax.tree.map(spec, params)
 
 

@@ -1,8 +1,11 @@
 """Train a small byte-level GPT on the Python standard library's source: Muon vs AdamW.
 
-Runs on 8 virtual CPU devices by default (data parallel: the batch is sharded over a
-1-D mesh, the params replicated). Writes ``<out>/train_lm.json`` (the curves) and
-``<out>/train_lm.png`` (the plot).
+Runs on 8 virtual CPU devices under an Explicit mesh. ``--sharding fsdp`` (the default)
+shards every matrix over the devices (FSDP): the forward pass all-gathers the weights, the
+gradients come back reduce-scattered, and Muon's plan orthogonalizes each whole matrix on
+exactly one device. ``--sharding dp`` replicates the params (data parallel; Muon splits the
+NS work over the replicas). The batch is always sharded. Writes ``<out>/train_lm.json`` (the
+curves) and ``<out>/train_lm.png`` (the plot).
 
   python examples/train_lm.py                # default run, < 10 minutes on 2 CPU cores
   python examples/train_lm.py --quick        # a smoke run of a few seconds
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="AdamW's learning rate, in the baseline and for Muon's AdamW leaves")
   parser.add_argument("--eval-every", type=int, default=50)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--sharding", choices=("fsdp", "dp"), default="fsdp",
+                      help="fsdp: params sharded over the devices; dp: params replicated")
   args = parser.parse_args(argv)
   if args.quick:
     args.d_model, args.layers, args.batch_size, args.seq_len, args.eval_every = 32, 2, 16, 64, 10
@@ -68,37 +73,50 @@ def make_optimizers(args) -> dict[str, optax.GradientTransformation]:
   }
 
 
+def param_sharding(x: jax.Array, mesh, mode: str) -> NamedSharding:
+  """FSDP: a matrix is split on its first axis over all devices; vectors stay replicated."""
+  if mode == "fsdp" and x.ndim == 2 and x.shape[0] % mesh.size == 0:
+    return NamedSharding(mesh, P("data", None))
+  return NamedSharding(mesh, P())
+
+
 def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> dict:
   """Trains one model; returns its curves and timing."""
   data_sharding = NamedSharding(mesh, P("data"))
-  model = GPT(cfg, nnx.Rngs(args.seed))
+  graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(args.seed)), nnx.Param)
+  params = jax.tree.map(lambda x: jax.device_put(x, param_sharding(x, mesh, args.sharding)),
+                        params)
   if name == "muon":
-    optax_muon.summarize(nnx.state(model, nnx.Param), tx, print_table=True)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optax_muon.summarize(params, tx, print_table=True)
+  opt_state = jax.jit(tx.init)(params)
 
-  @nnx.jit
-  def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return loss
+  def loss_of(params, batch):
+    # FSDP forward: gather each weight; the gradient flows back reduce-scattered.
+    full = jax.tree.map(lambda p: jax.reshard(p, P()), params)
+    return loss_fn(nnx.merge(graphdef, full), batch)
 
-  @nnx.jit
-  def eval_loss(model, batch):
-    return loss_fn(model, batch)
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_of)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
 
+  eval_loss = jax.jit(loss_of)
   val_batch = jax.device_put(val_batch, data_sharding)
   stream = batches(train_data, args.batch_size, cfg.seq_len, seed=args.seed)
   curves = {"step": [], "train_loss": [], "val_step": [], "val_loss": []}
   start, timed_from = None, 1  # the first step compiles; time the rest
   for step in (bar := tqdm(range(1, args.steps + 1), desc=name, dynamic_ncols=True)):
-    loss = float(train_step(model, optimizer, jax.device_put(next(stream), data_sharding)))
+    params, opt_state, loss = train_step(params, opt_state,
+                                         jax.device_put(next(stream), data_sharding))
+    loss = float(loss)
     if step == timed_from:
       start = time.perf_counter()
     curves["step"].append(step)
     curves["train_loss"].append(loss)
     if step % args.eval_every == 0 or step == args.steps:
       curves["val_step"].append(step)
-      curves["val_loss"].append(float(eval_loss(model, val_batch)))
+      curves["val_loss"].append(float(eval_loss(params, val_batch)))
       bar.set_postfix(loss=f"{loss:.3f}", val=f"{curves['val_loss'][-1]:.3f}")
   elapsed = time.perf_counter() - start
   curves["seconds_per_step"] = elapsed / max(1, args.steps - timed_from)

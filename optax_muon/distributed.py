@@ -8,6 +8,8 @@ directly.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,33 +89,42 @@ def _index(axes: tuple[str, ...]):
 
 
 def _by_signature(group: Group, bucket, leaves, owner, slot_axis: int, build):
-  """Combines ``build(leaf)`` over the bucket's piece signatures, each where it applies.
+  """Builds this device's slots, each with the piece layout of the matrix it holds.
 
-  A slot of this device holds a matrix of one leaf, whose signature says how its pieces fit
-  together; when a bucket mixes signatures, each is built and selected per slot.
+  A slot holds a matrix of one leaf, whose signature says how its pieces fit together.
+  Where all devices hold the same kind of matrix in a slot, that slot is built directly;
+  where they differ (a (d, 4d) and a (4d, d) matrix sharing a bucket), a ``lax.switch`` on
+  this device's index builds only the layout it needs.
 
   Args:
     group, bucket, leaves: where the slots come from.
     owner: this device's index along the exchange axes.
     slot_axis: the slot axis of ``build``'s output.
-    build: ``LeafPlacement -> array`` for one representative leaf of a signature.
+    build: ``(LeafPlacement, slot slice) -> array`` for the slots of that slice.
 
   Returns:
-    The combined array.
+    The slots, concatenated along ``slot_axis``.
   """
   masks = group.owner_masks(bucket, leaves)
-  out = None
-  for signature, mask in masks.items():
-    leaf = next(leaves[i] for i in bucket.members if leaves[i].signature == signature)
-    value = build(leaf)
-    if out is None:
-      out = value
+  signatures = list(masks)
+  representative = [next(leaves[i] for i in bucket.members if leaves[i].signature == sig)
+                    for sig in signatures]
+  if len(signatures) == 1:
+    return build(representative[0], slice(None))
+  kind = np.full((group.exchange_size, bucket.slots), -1, np.int32)  # -1: a padded slot
+  for k, sig in enumerate(signatures):
+    kind[masks[sig]] = k
+  parts = []
+  for s in range(bucket.slots):
+    column = kind[:, s]
+    present = np.unique(column[column >= 0])
+    slots = slice(s, s + 1)
+    if len(present) == 1:
+      parts.append(build(representative[present[0]], slots))
     else:
-      select = jnp.asarray(mask)[owner]  # (S,)
-      shape = [1] * value.ndim
-      shape[slot_axis] = select.shape[0]
-      out = jnp.where(select.reshape(shape), value, out)
-  return out
+      branches = [functools.partial(build, p, slots) for p in representative]
+      parts.append(jax.lax.switch(jnp.asarray(np.maximum(column, 0))[owner], branches))
+  return jnp.concatenate(parts, axis=slot_axis)
 
 
 def _run_ns(group: Group, bucket, x: jax.Array, ns: NSOptions) -> jax.Array:
@@ -164,14 +175,17 @@ def orthogonalize_local(blocks: list[jax.Array], plan: Plan, wire_dtype=None
     owner = _index(x_axes)
     replies = []
     for b, chunk in zip(group.buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
-      pieces = chunk.reshape(g, b.slots, -1).astype(dtype)
-      # 3. Whole matrices, NS (split over replicas or not), and pieces again.
-      mats = _by_signature(group, b, plan.leaves, owner, 0,
-                           lambda p: _assemble(p, group, mesh, pieces))
+      pieces = chunk.reshape(g, b.slots, -1)
+      # 3. Whole matrices, NS (split over replicas or not), and pieces again; the casts
+      # between wire and compute dtype sit inside the layout code so that they fuse.
+      mats = _by_signature(
+          group, b, plan.leaves, owner, 0,
+          lambda p, slots: _assemble(p, group, mesh, pieces[:, slots].astype(dtype)))
       result = _run_ns(group, b, mats, plan.ns)
-      reply = _by_signature(group, b, plan.leaves, owner, 1,
-                            lambda p: _disassemble(p, group, mesh, result))
-      replies.append(reply.astype(wire).reshape(g, -1))
+      reply = _by_signature(
+          group, b, plan.leaves, owner, 1,
+          lambda p, slots: _disassemble(p, group, mesh, result[slots]).astype(wire))
+      replies.append(reply.reshape(g, -1))
     # 4. One all-to-all back: each device receives its pieces of every local matrix.
     buffer = jnp.concatenate(replies, axis=1)
     if g > 1:
