@@ -103,6 +103,24 @@ def measure(name, tx, params, shardings, mesh) -> dict:
           "in loops": cost.collectives_in_loops, "temp": cost.temp_bytes / param_bytes}
 
 
+def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
+  """Step time of the two replica policies on replicated params (pure data parallel)."""
+  from single_device import alternate  # noqa: PLC0415  (only this table needs timing)
+  params = gpt_tree(d, layers)
+  mesh = jax.make_mesh((N,), ("dp",))
+  replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+  fns, args = {}, {}
+  with jax.set_mesh(mesh):
+    for policy in ("split", "redundant"):
+      tx = optax_muon.muon(0.02, replica_policy=policy)
+      fns[policy] = jax.jit(tx.update)
+      args[policy] = (replicated, jax.jit(tx.init)(replicated), replicated)
+    times = alternate(fns, args, repeats)
+    costs = {p: hlo_cost.analyze(fns[p].lower(*args[p]).compile(), N) for p in fns}
+  return [{"policy": p, "ms": times[p] * 1e3, "NS GFLOP/device": costs[p].dot_flops / 1e9,
+           "received MB/device": costs[p].received_bytes / 2**20} for p in fns]
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
@@ -129,6 +147,9 @@ def main(argv=None) -> list[dict]:
             "optax_muon, bf16 wire": optax_muon.muon(
                 0.02, muon_weight_dimension_numbers=dims, method="standard",
                 param_shardings=given, wire_dtype=jnp.bfloat16),
+            "optax_muon, one exchange": optax_muon.muon(
+                0.02, muon_weight_dimension_numbers=dims, method="standard",
+                param_shardings=given, exchange="group"),
             "optax.contrib.muon": optax.contrib.muon(
                 0.02, muon_weight_dimension_numbers=muon_dims(params, contrib=True,
                                                               adam=ADAM)),
@@ -147,6 +168,10 @@ def main(argv=None) -> list[dict]:
   print("per device: NS FLOPs ÷ ideal, received bytes ÷ lower bound, collectives (in NS "
         "loops), temp memory ÷ param bytes")
   print(table(rows, columns, {"flops": "{:.2f}×", "bytes": "{:.2f}×", "temp": "{:.2f}×"}))
+  policy_rows = replica_policy_timing(d, 4, 3 if args.quick else 7)
+  print(f"\nreplicated params (data parallel over {N} devices), d={d}, 4 layers: median step")
+  print(table(policy_rows, list(policy_rows[0]), {"ms": "{:.1f}", "NS GFLOP/device": "{:.3f}",
+                                                   "received MB/device": "{:.2f}"}))
   return rows
 
 

@@ -52,6 +52,7 @@ def muon(
     param_shardings: Any = None,
     replica_policy: str = "split",
     wire_dtype: jax.typing.DTypeLike | None = None,
+    exchange: str = "bucket",
 ) -> MuonTransformation:
   """Muon for the network's matrices, AdamW for the rest.
 
@@ -80,7 +81,8 @@ def muon(
     adam_weight_decay, adam_weight_decay_mask: AdamW's decoupled weight decay.
     adam_nesterov: use NAdamW (optax.contrib.muon's choice) instead of AdamW.
     bucket: stack same-shape matrices into one batched NS call.
-    param_shardings, replica_policy, wire_dtype: sharding options, see ``scale_by_muon``.
+    param_shardings, replica_policy, wire_dtype, exchange: sharding options, see
+      ``scale_by_muon``.
 
   Returns:
     A ``MuonTransformation``; ``summarize(params, tx)`` shows where every leaf goes.
@@ -96,7 +98,7 @@ def muon(
       scale=scale, rms_scale=rms_scale, deepseek_gamma=deepseek_gamma,
       weight_dimension_numbers=muon_weight_dimension_numbers,
       bucket=bucket, param_shardings=param_shardings, replica_policy=replica_policy,
-      wire_dtype=wire_dtype)
+      wire_dtype=wire_dtype, exchange=exchange)
 
   def router(params):
     return route(params, labels=labels, weight_dimension_numbers=muon_weight_dimension_numbers,

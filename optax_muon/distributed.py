@@ -92,9 +92,9 @@ def _by_signature(group: Group, bucket, leaves, owner, slot_axis: int, build):
   """Builds this device's slots, each with the piece layout of the matrix it holds.
 
   A slot holds a matrix of one leaf, whose signature says how its pieces fit together.
-  Where all devices hold the same kind of matrix in a slot, that slot is built directly;
-  where they differ (a (d, 4d) and a (4d, d) matrix sharing a bucket), a ``lax.switch`` on
-  this device's index builds only the layout it needs.
+  Devices whose slots hold the same sequence of signatures run the same code; when devices
+  differ (a (d, 4d) and a (4d, d) matrix sharing a bucket), one ``lax.switch`` on this
+  device's index picks its sequence, so only the layouts it needs are built.
 
   Args:
     group, bucket, leaves: where the slots come from.
@@ -103,28 +103,30 @@ def _by_signature(group: Group, bucket, leaves, owner, slot_axis: int, build):
     build: ``(LeafPlacement, slot slice) -> array`` for the slots of that slice.
 
   Returns:
-    The slots, concatenated along ``slot_axis``.
+    All slots, concatenated along ``slot_axis``.
   """
   masks = group.owner_masks(bucket, leaves)
   signatures = list(masks)
   representative = [next(leaves[i] for i in bucket.members if leaves[i].signature == sig)
                     for sig in signatures]
-  if len(signatures) == 1:
-    return build(representative[0], slice(None))
-  kind = np.full((group.exchange_size, bucket.slots), -1, np.int32)  # -1: a padded slot
+  kind = np.zeros((group.exchange_size, bucket.slots), np.int32)  # padded slots: any kind
   for k, sig in enumerate(signatures):
     kind[masks[sig]] = k
-  parts = []
-  for s in range(bucket.slots):
-    column = kind[:, s]
-    present = np.unique(column[column >= 0])
-    slots = slice(s, s + 1)
-    if len(present) == 1:
-      parts.append(build(representative[present[0]], slots))
-    else:
-      branches = [functools.partial(build, p, slots) for p in representative]
-      parts.append(jax.lax.switch(jnp.asarray(np.maximum(column, 0))[owner], branches))
-  return jnp.concatenate(parts, axis=slot_axis)
+  rows = sorted({tuple(row) for row in kind.tolist()})
+
+  def build_row(row):
+    parts, start = [], 0
+    for stop in range(1, len(row) + 1):  # consecutive slots of one kind: one slice
+      if stop == len(row) or row[stop] != row[start]:
+        parts.append(build(representative[row[start]], slice(start, stop)))
+        start = stop
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=slot_axis)
+
+  if len(rows) == 1:
+    return build_row(rows[0])
+  which = np.array([rows.index(tuple(row)) for row in kind.tolist()], np.int32)
+  return jax.lax.switch(jnp.asarray(which)[owner],
+                        [functools.partial(build_row, row) for row in rows])
 
 
 def _run_ns(group: Group, bucket, x: jax.Array, ns: NSOptions) -> jax.Array:
@@ -141,72 +143,76 @@ def _run_ns(group: Group, bucket, x: jax.Array, ns: NSOptions) -> jax.Array:
   return gathered[:x.shape[0]]
 
 
-def orthogonalize_local(blocks: list[jax.Array], plan: Plan, wire_dtype=None
-                        ) -> list[jax.Array]:
+def orthogonalize_local(blocks: list[jax.Array], plan: Plan) -> list[jax.Array]:
   """The per-device program: NS of every matrix of every leaf, each on one owner.
 
   Args:
     blocks: this device's local block of each Muon leaf (``plan.leaves`` order).
     plan: the plan.
-    wire_dtype: dtype of the all-to-all buffers (e.g. bf16); ``None`` keeps the leaves'.
 
   Returns:
     The local blocks of the orthogonalized leaves.
   """
-  mesh = dict(plan.mesh_shape)
   out: list[jax.Array | None] = [None] * len(blocks)
   for group in plan.groups:
-    g, x_axes = group.exchange_size, group.exchange_axes
-    members = [i for b in group.buckets for i in b.members]
-    dtype = jnp.result_type(*(blocks[i].dtype for i in members))
-    wire = jnp.dtype(wire_dtype or dtype)
-    # 1. Pieces of every local matrix, in slot order: matrix j → device j // S, slot j % S.
-    sends = []
-    for b in group.buckets:
-      stacked = jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i])
-                                 for i in b.members]).astype(wire)  # (K, L)
-      stacked = jnp.pad(stacked, ((0, g * b.slots - b.matrices), (0, 0)))
-      sends.append(stacked.reshape(g, -1))
-    sizes = [s.shape[1] for s in sends]
-    buffer = jnp.concatenate(sends, axis=1)  # (g, Σ S·L)
-    # 2. One all-to-all over X: each device receives the pieces of the matrices it owns.
-    if g > 1:
-      buffer = _all_to_all(buffer, x_axes)
-    owner = _index(x_axes)
-    replies = []
-    for b, chunk in zip(group.buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
-      pieces = chunk.reshape(g, b.slots, -1)
-      # 3. Whole matrices, NS (split over replicas or not), and pieces again; the casts
-      # between wire and compute dtype sit inside the layout code so that they fuse.
-      mats = _by_signature(
-          group, b, plan.leaves, owner, 0,
-          lambda p, slots: _assemble(p, group, mesh, pieces[:, slots].astype(dtype)))
-      result = _run_ns(group, b, mats, plan.ns)
-      reply = _by_signature(
-          group, b, plan.leaves, owner, 1,
-          lambda p, slots: _disassemble(p, group, mesh, result[slots]).astype(wire))
-      replies.append(reply.reshape(g, -1))
-    # 4. One all-to-all back: each device receives its pieces of every local matrix.
-    buffer = jnp.concatenate(replies, axis=1)
-    if g > 1:
-      buffer = _all_to_all(buffer, x_axes)
-    for b, chunk in zip(group.buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
-      pieces = chunk.reshape(g * b.slots, -1)[:b.matrices]
-      start = 0
-      for i in b.members:
-        count = plan.leaves[i].local_batch
-        out[i] = _local_block(plan.leaves[i], pieces[start:start + count]).astype(
-            blocks[i].dtype)
-        start += count
+    units = [group.buckets] if plan.exchange == "group" else [(b,) for b in group.buckets]
+    for buckets in units:
+      _exchange(blocks, plan, group, buckets, out)
   return out
 
 
-def orthogonalize_sharded(leaves: list[jax.Array], plan: Plan, wire_dtype=None
-                          ) -> list[jax.Array]:
+def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, buckets: tuple,
+              out: list) -> None:
+  """Orthogonalizes ``buckets`` of ``group`` with one all-to-all each way; fills ``out``."""
+  mesh = dict(plan.mesh_shape)
+  g, x_axes = group.exchange_size, group.exchange_axes
+  dtype = jnp.result_type(*(blocks[i].dtype for b in buckets for i in b.members))
+  wire = jnp.dtype(plan.wire_dtype or dtype)
+  # 1. Pieces of every local matrix, in slot order: matrix j → device j // S, slot j % S.
+  sends = []
+  for b in buckets:
+    stacked = jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i])
+                               for i in b.members]).astype(wire)  # (K, L)
+    stacked = jnp.pad(stacked, ((0, g * b.slots - b.matrices), (0, 0)))
+    sends.append(stacked.reshape(g, -1))
+  sizes = [s.shape[1] for s in sends]
+  buffer = jnp.concatenate(sends, axis=1)  # (g, Σ S·L)
+  # 2. All-to-all over X: each device receives the pieces of the matrices it owns.
+  if g > 1:
+    buffer = _all_to_all(buffer, x_axes)
+  owner = _index(x_axes)
+  replies = []
+  for b, chunk in zip(buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
+    pieces = chunk.reshape(g, b.slots, -1)
+    # 3. Whole matrices, NS (split over replicas or not), and pieces again; the casts
+    # between wire and compute dtype sit inside the layout code so that they fuse.
+    mats = _by_signature(
+        group, b, plan.leaves, owner, 0,
+        lambda p, slots: _assemble(p, group, mesh, pieces[:, slots].astype(dtype)))
+    result = _run_ns(group, b, mats, plan.ns)
+    reply = _by_signature(
+        group, b, plan.leaves, owner, 1,
+        lambda p, slots: _disassemble(p, group, mesh, result[slots]).astype(wire))
+    replies.append(reply.reshape(g, -1))
+  # 4. All-to-all back: each device receives its pieces of every local matrix.
+  buffer = jnp.concatenate(replies, axis=1)
+  if g > 1:
+    buffer = _all_to_all(buffer, x_axes)
+  for b, chunk in zip(buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
+    pieces = chunk.reshape(g * b.slots, -1)[:b.matrices]
+    start = 0
+    for i in b.members:
+      count = plan.leaves[i].local_batch
+      out[i] = _local_block(plan.leaves[i], pieces[start:start + count]).astype(
+          blocks[i].dtype)
+      start += count
+
+
+def orthogonalize_sharded(leaves: list[jax.Array], plan: Plan) -> list[jax.Array]:
   """``orthogonalize_local`` under ``jax.shard_map`` over the plan's mesh, for jit code."""
   mesh = plan.leaves[0].sharding.mesh
   specs = tuple(p.sharding.spec for p in plan.leaves)
-  body = lambda *blocks: tuple(orthogonalize_local(list(blocks), plan, wire_dtype))
+  body = lambda *blocks: tuple(orthogonalize_local(list(blocks), plan))
   # check_vma=False: an all-gather's result is the same on every replica (as the out_specs
   # say), but JAX's type system marks it as varying.
   return list(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from optax_muon.orthogonalize import NSOptions, canonical_shape
 from optax_muon.sharding import LeafSharding
 
 REPLICA_POLICIES = ("split", "redundant")
+EXCHANGES = ("bucket", "group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +149,19 @@ class Plan:
     mesh_shape: axis name → size, in mesh order.
     leaves: one placement per Muon leaf.
     groups: the groups.
-    ns: the NS options (for costs).
+    ns: the NS options.
+    exchange: ``"bucket"``: one all-to-all each way per bucket (less temp memory: only one
+      bucket's buffers are alive at a time); ``"group"``: one each way for all buckets of a
+      group (fewest collectives; for FSDP and FSDP × TP that is one for the whole tree).
+    wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
   """
 
   mesh_shape: tuple[tuple[str, int], ...]
   leaves: tuple[LeafPlacement, ...]
   groups: tuple[Group, ...]
   ns: NSOptions
+  exchange: str = "bucket"
+  wire_dtype: Any = None
 
   @property
   def device_count(self) -> int:
@@ -188,7 +196,8 @@ class Plan:
 
 
 def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding], ns: NSOptions,
-               replica_policy: str = "split") -> Plan:
+               replica_policy: str = "split", exchange: str = "bucket",
+               wire_dtype: Any = None) -> Plan:
   """Builds the plan for the Muon leaves.
 
   Args:
@@ -196,16 +205,16 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding], ns: N
     shardings: the leaves' shardings (all on one mesh).
     ns: NS options.
     replica_policy: ``"split"`` or ``"redundant"`` (see the module docstring).
+    exchange: ``"bucket"`` or ``"group"`` (see ``Plan``).
+    wire_dtype: see ``Plan``.
 
   Returns:
     The ``Plan``.
 
   Raises:
-    ValueError: for an unknown policy.
+    ValueError: for an unknown policy or exchange.
   """
-  if replica_policy not in REPLICA_POLICIES:
-    raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got "
-                     f"{replica_policy!r}.")
+  validate_options(replica_policy, exchange)
   mesh = shardings[0].mesh
   mesh_shape = tuple(mesh.shape.items())
   order = [name for name, _ in mesh_shape]
@@ -222,8 +231,8 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding], ns: N
   for i, p in enumerate(placements):
     group_members.setdefault((p.exchange_axes, p.replica_axes), []).append(i)
   groups = []
-  for (exchange, replica), members in group_members.items():
-    g, r = size(exchange), size(replica)
+  for (exchange_axes, replica_axes), members in group_members.items():
+    g, r = size(exchange_axes), size(replica_axes)
     split = replica_policy == "split" and r > 1
     by_shape: dict[tuple[int, int], list[int]] = {}
     for i in members:
@@ -233,5 +242,14 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding], ns: N
       k = sum(placements[i].local_batch for i in idx)
       slots = -(-k // g)
       buckets.append(Bucket(shape, tuple(idx), k, slots, -(-slots // r) if split else slots))
-    groups.append(Group(exchange, replica, g, r, split, tuple(buckets)))
-  return Plan(mesh_shape, tuple(placements), tuple(groups), ns)
+    groups.append(Group(exchange_axes, replica_axes, g, r, split, tuple(buckets)))
+  return Plan(mesh_shape, tuple(placements), tuple(groups), ns, exchange, wire_dtype)
+
+
+def validate_options(replica_policy: str, exchange: str) -> None:
+  """Raises ValueError for an unknown replica policy or exchange granularity."""
+  if replica_policy not in REPLICA_POLICIES:
+    raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got "
+                     f"{replica_policy!r}.")
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}.")

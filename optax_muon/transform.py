@@ -11,7 +11,7 @@ import optax
 
 from optax_muon import tree_utils
 from optax_muon.distributed import global_shape, orthogonalize_local, orthogonalize_sharded
-from optax_muon.plan import REPLICA_POLICIES, Plan, build_plan
+from optax_muon.plan import Plan, build_plan, validate_options
 from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
                                  resolve_param_shardings)
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
@@ -43,6 +43,7 @@ class MuonConfig:
     param_shardings: as passed to ``scale_by_muon``.
     replica_policy: ``"split"`` or ``"redundant"`` (see ``plan``).
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
+    exchange: ``"bucket"`` or ``"group"`` (see ``plan.Plan``).
   """
 
   ns: NSOptions
@@ -53,6 +54,7 @@ class MuonConfig:
   param_shardings: Any = None
   replica_policy: str = "split"
   wire_dtype: Any = None
+  exchange: str = "bucket"
 
   def layouts(self, tree: Any, selected: list[bool] | None = None
               ) -> list[MatrixLayout | None]:
@@ -84,7 +86,8 @@ class MuonConfig:
     return leaf_shardings([l.shape for l in layouts], typed, [l.path for l in layouts], given)
 
   def plan(self, layouts: list[MatrixLayout], shardings: list[LeafSharding]) -> Plan:
-    return build_plan(layouts, shardings, self.ns, self.replica_policy)
+    return build_plan(layouts, shardings, self.ns, self.replica_policy, self.exchange,
+                      self.wire_dtype)
 
   def orthogonalize(self, xs: list[jax.Array], layouts: list[MatrixLayout],
                     given: list[Any] | None, manual: bool) -> list[jax.Array]:
@@ -108,7 +111,7 @@ class MuonConfig:
     if sharded:
       plan = self.plan([layouts[i] for i in sharded], [shardings[i] for i in sharded])
       run = orthogonalize_local if manual else orthogonalize_sharded
-      for i, y in zip(sharded, run([xs[i] for i in sharded], plan, self.wire_dtype)):
+      for i, y in zip(sharded, run([xs[i] for i in sharded], plan)):
         out[i] = y
     return out
 
@@ -182,6 +185,7 @@ def scale_by_muon(
     param_shardings: Any = None,
     replica_policy: str = "split",
     wire_dtype: jax.typing.DTypeLike | None = None,
+    exchange: str = "bucket",
 ) -> MuonTransformation:
   """Muon's direction: orthogonalized momentum, scaled by the matrix shape.
 
@@ -219,6 +223,9 @@ def scale_by_muon(
     replica_policy: for leaves replicated over some mesh axes: ``"split"`` the NS work
       among the replicas and all-gather, or compute it ``"redundant"``ly on each.
     wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the bytes).
+    exchange: ``"bucket"`` (one all-to-all each way per same-shape bucket; default: only
+      one bucket's buffers live at a time) or ``"group"`` (one each way for the whole tree
+      on FSDP/TP meshes; fewer collectives, more temp memory).
 
   Returns:
     A ``MuonTransformation`` (an ``optax.GradientTransformationExtraArgs``).
@@ -230,9 +237,7 @@ def scale_by_muon(
     raise ValueError(f"momentum must be one of {MOMENTUM_KINDS}, got {momentum!r}.")
   if scale not in SCALE_KINDS:
     raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}.")
-  if replica_policy not in REPLICA_POLICIES:
-    raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got "
-                     f"{replica_policy!r}.")
+  validate_options(replica_policy, exchange)
   config = MuonConfig(
       ns=NSOptions(resolve_coefficients(coeffs, steps, eps),
                    None if compute_dtype is None else jnp.dtype(compute_dtype), method,
@@ -240,7 +245,7 @@ def scale_by_muon(
       scale=scale, rms_scale=rms_scale, deepseek_gamma=deepseek_gamma,
       weight_dimension_numbers=weight_dimension_numbers, param_shardings=param_shardings,
       replica_policy=replica_policy,
-      wire_dtype=None if wire_dtype is None else jnp.dtype(wire_dtype))
+      wire_dtype=None if wire_dtype is None else jnp.dtype(wire_dtype), exchange=exchange)
 
   def init_fn(params):
     config.layouts(params)  # Validates every leaf now rather than at the first update.

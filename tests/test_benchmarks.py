@@ -35,7 +35,9 @@ def test_sharding_quick():
   rows = sharding.main(["--quick"])
   ours = [r for r in rows if r["optimizer"] == "optax_muon" and "4 layers" in r["tree"]]
   assert ours and all(r["flops"] <= 1.05 and r["bytes"] <= 1.05 and r["in loops"] == 0
-                      for r in ours)
+                      and r["temp"] <= 3.5 for r in ours)
+  one = [r for r in rows if r["optimizer"] == "optax_muon, one exchange"]
+  assert one and all(r["collectives"] == 2 for r in one)
   contrib_explicit = [r for r in rows if r["optimizer"] == "optax.contrib.muon"
                       and r["axes"] == "Explicit"]
   assert all(r.get("error") == "ShardingTypeError" for r in contrib_explicit)

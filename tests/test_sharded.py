@@ -132,8 +132,9 @@ def test_plan_floors_on_fsdp8_gpt():
   mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), _fsdp_specs(params))
   sharded = jax.tree.map(jax.device_put, params, shardings)
-  for wire, byte_floor in ((None, 1.05), (jnp.bfloat16, 0.55)):
-    tx = om.muon(0.1, wire_dtype=wire)
+  for wire, byte_floor, exchange in ((None, 1.05, "bucket"), (jnp.bfloat16, 0.55, "bucket"),
+                                     (None, 1.05, "group")):
+    tx = om.muon(0.1, wire_dtype=wire, exchange=exchange)
     with jax.set_mesh(mesh):
       state = jax.jit(tx.init)(sharded)
       compiled = jax.jit(tx.update).lower(sharded, state, sharded).compile()
@@ -146,7 +147,10 @@ def test_plan_floors_on_fsdp8_gpt():
     assert cost.received_bytes <= byte_floor * lower_bound
     assert cost.temp_bytes <= 3.5 * param_bytes
     assert cost.collectives_in_loops == 0
-    assert sum(c.kind == "all-to-all" for c in cost.collectives) == 2
+    buckets = sum(len(g.buckets) for g in plan.groups)  # (d, d) and (d, 4d)
+    assert buckets == 2
+    assert [c.kind for c in cost.collectives] == ["all-to-all"] * (
+        2 * buckets if exchange == "bucket" else 2)
 
 
 def test_bf16_on_the_wire_is_close():
@@ -192,6 +196,8 @@ def test_param_shardings_errors():
     jax.jit(tx.update)(uneven, tx.init(uneven))
   with pytest.raises(ValueError, match="replica_policy must be one of"):
     om.muon(0.1, replica_policy="all")
+  with pytest.raises(ValueError, match="exchange must be one of"):
+    om.muon(0.1, exchange="tree")
 
 
 def test_shard_map_train_step_matches_pjit():

@@ -1,0 +1,198 @@
+"""Muon vs optax.contrib.muon vs AdamW on real text, each at its best swept learning rate.
+
+The model and data are the training example's (``examples/gpt.py``): a byte-level GPT on
+the Python standard library's source with a fixed train/validation split. Every run has the
+same budget, warmup + cosine schedule, batch stream and init for a given seed.
+
+1. AdamW: sweep its learning rate; the best (lowest final validation loss) is A*.
+2. optax_muon.muon (package defaults) and optax.contrib.muon (its defaults, which also put
+   the embedding and head on Muon): sweep the Muon learning rate, AdamW parts at A*.
+3. The winners again with a second seed.
+4. Variants of optax_muon at its best learning rate: Polar Express coefficients, sum
+   momentum, and rms scaling at AdamW's learning rate A* (the claim that rms lets Muon
+   reuse AdamW's learning rate).
+
+Reported: final validation loss (mean over seeds), the steps each needs to reach AdamW's
+final validation loss as a fraction of AdamW's steps, and the time per step.
+
+  python benchmarks/convergence.py            # the full run (tens of minutes on 2 cores)
+  python benchmarks/convergence.py --quick    # CI: tiny model, a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import optax_muon  # noqa: E402
+from gpt import GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus  # noqa: E402
+from single_device import table  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  steps: int = 600
+  batch_size: int = 32
+  eval_every: int = 25
+  eval_windows: int = 64
+  cfg: GPTConfig = GPTConfig()
+
+
+QUICK = Budget(steps=16, batch_size=8, eval_every=4, eval_windows=8,
+               cfg=GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32))
+
+
+def schedule(peak: float, steps: int) -> optax.Schedule:
+  return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 20), steps,
+                                            end_value=0.1 * peak)
+
+
+def make_optimizer(kind: str, lr: float, adam_lr: float, steps: int, **variant):
+  """The optimizer of one run. ``kind``: adamw, optax_muon or contrib."""
+  if kind == "adamw":
+    return optax.adamw(schedule(lr, steps), b2=0.95)
+  if kind == "optax_muon":
+    return optax_muon.muon(schedule(lr, steps), adam_learning_rate=schedule(adam_lr, steps),
+                           adam_b2=0.95, **variant)
+  if kind == "contrib":
+    return optax.contrib.muon(schedule(lr, steps), adam_learning_rate=schedule(adam_lr, steps),
+                              adam_b2=0.95)
+  raise ValueError(kind)
+
+
+def run(tx, budget: Budget, seed: int, data) -> dict:
+  """Trains one model; returns its validation curve and seconds per step."""
+  train, val = data
+  model = GPT(budget.cfg, nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  evaluate = nnx.jit(loss_fn)
+  val_batch = eval_windows(val, budget.eval_windows, budget.cfg.seq_len)
+  stream = batches(train, budget.batch_size, budget.cfg.seq_len, seed=seed)
+  curve, start = [], None
+  for t in range(1, budget.steps + 1):
+    jax.block_until_ready(step(model, optimizer, next(stream)))
+    if t == 1:
+      start = time.perf_counter()
+    if t % budget.eval_every == 0:
+      curve.append((t, float(evaluate(model, val_batch))))
+  return {"curve": curve, "seconds_per_step": (time.perf_counter() - start)
+          / max(1, budget.steps - 1)}
+
+
+def steps_to_reach(curve: list, target: float) -> int | None:
+  return next((t for t, loss in curve if loss <= target), None)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--out", default="runs")
+  args = parser.parse_args(argv)
+  budget = QUICK if args.quick else Budget()
+  data = stdlib_corpus(max_bytes=300_000 if args.quick else 4_000_000)
+  adam_lrs = (1e-3, 2e-3, 4e-3) if not args.quick else (3e-3,)
+  muon_lrs = (0.01, 0.02, 0.04) if not args.quick else (0.02,)
+  results: dict[str, dict] = {}
+
+  def go(name, kind, lr, adam_lr, seed=0, **variant):
+    tx = make_optimizer(kind, lr, adam_lr, budget.steps, **variant)
+    r = run(tx, budget, seed, data)
+    r.update(kind=kind, lr=lr, adam_lr=adam_lr, seed=seed, variant=str(variant or ""))
+    results[f"{name} seed={seed}"] = r
+    print(f"{name:38s} seed={seed} final val {r['curve'][-1][1]:.4f} "
+          f"({r['seconds_per_step'] * 1e3:.0f} ms/step)", flush=True)
+    return r
+
+  final = lambda r: r["curve"][-1][1]
+  adam = {lr: go(f"adamw lr={lr:g}", "adamw", lr, lr) for lr in adam_lrs}
+  best_adam = min(adam, key=lambda lr: final(adam[lr]))
+  best = {"adamw": best_adam}
+  for kind in ("optax_muon", "contrib"):
+    sweep = {lr: go(f"{kind} lr={lr:g}", kind, lr, best_adam) for lr in muon_lrs}
+    best[kind] = min(sweep, key=lambda lr: final(sweep[lr]))
+  for kind, lr in best.items():
+    go(f"{kind} lr={lr:g}", kind, lr, best_adam, seed=1)
+  variants = {
+      "optax_muon polar_express": dict(coeffs="polar_express"),
+      "optax_muon sum momentum": dict(momentum="sum"),
+  }
+  for name, variant in variants.items():
+    go(name, "optax_muon", best["optax_muon"], best_adam, **variant)
+  go("optax_muon rms scale @ AdamW lr", "optax_muon", best_adam, best_adam, scale="rms")
+
+  # Summary: seeds averaged for the winners; the target is AdamW's final validation loss.
+  def runs_of(prefix):
+    return [r for k, r in results.items() if k.startswith(prefix + " seed=")]
+
+  rows = []
+  winners = {"AdamW": f"adamw lr={best_adam:g}",
+             "optax_muon.muon": f"optax_muon lr={best['optax_muon']:g}",
+             "optax.contrib.muon": f"contrib lr={best['contrib']:g}",
+             **{k: k for k in (*variants, "optax_muon rms scale @ AdamW lr")}}
+  adam_runs = runs_of(winners["AdamW"])
+  target = float(np.mean([final(r) for r in adam_runs]))
+  for label, prefix in winners.items():
+    rs = runs_of(prefix)
+    reach = [steps_to_reach(r["curve"], target) for r in rs]
+    reached = [s for s in reach if s is not None]
+    rows.append({
+        "optimizer": label, "lr": prefix.split("lr=")[-1] if "lr=" in prefix else
+        f"{best['optax_muon']:g}", "seeds": len(rs),
+        "final val loss": float(np.mean([final(r) for r in rs])),
+        "steps to AdamW's final": (float(np.mean(reached)) / budget.steps
+                                   if len(reached) == len(rs) else float("nan")),
+        "ms/step": float(np.mean([r["seconds_per_step"] for r in rs])) * 1e3})
+  print(f"\nAdamW lr sweep {adam_lrs}, Muon lr sweep {muon_lrs} (AdamW parts at {best_adam:g});"
+        f" {budget.steps} steps; target = AdamW's final validation loss {target:.4f}")
+  print(table(rows, list(rows[0]), {"final val loss": "{:.4f}",
+                                    "steps to AdamW's final": "{:.2f}×", "ms/step": "{:.0f}"}))
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  summary = {"budget": {"steps": budget.steps, "batch_size": budget.batch_size,
+                        "model": dataclasses.asdict(budget.cfg)},
+             "best_lr": best, "target": target, "table": rows, "runs": results}
+  (out / "convergence.json").write_text(json.dumps(summary, indent=1))
+  _plot(results, winners, out / "convergence.png")
+  return summary
+
+
+def _plot(results: dict, winners: dict, path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for label, prefix in winners.items():
+    r = results.get(f"{prefix} seed=0")
+    if r:
+      steps, losses = zip(*r["curve"])
+      ax.plot(steps, losses, label=label)
+  ax.set_xlabel("step")
+  ax.set_ylabel("validation loss (nats/byte)")
+  ax.set_title("Byte-level GPT on the Python standard library")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+  main()
