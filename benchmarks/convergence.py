@@ -148,18 +148,16 @@ def main(argv=None) -> dict:
              "optax_muon.muon": f"optax_muon lr={best['optax_muon']:g}",
              "optax.contrib.muon": f"contrib lr={best['contrib']:g}",
              **{k: k for k in (*variants, "optax_muon rms scale @ AdamW lr")}}
-  adam_runs = runs_of(winners["AdamW"])
-  target = float(np.mean([final(r) for r in adam_runs]))
+  mean_curve = lambda rs: [(t, float(np.mean([r["curve"][k][1] for r in rs])))
+                           for k, (t, _) in enumerate(rs[0]["curve"])]
+  target = mean_curve(runs_of(winners["AdamW"]))[-1][1]
   for label, prefix in winners.items():
     rs = runs_of(prefix)
-    reach = [steps_to_reach(r["curve"], target) for r in rs]
-    reached = [s for s in reach if s is not None]
+    reach = steps_to_reach(mean_curve(rs), target)
     rows.append({
-        "optimizer": label, "lr": prefix.split("lr=")[-1] if "lr=" in prefix else
-        f"{best['optax_muon']:g}", "seeds": len(rs),
-        "final val loss": float(np.mean([final(r) for r in rs])),
-        "steps to AdamW's final": (float(np.mean(reached)) / budget.steps
-                                   if len(reached) == len(rs) else float("nan")),
+        "optimizer": label, "lr": f"{rs[0]['lr']:g}", "seeds": len(rs),
+        "final val loss": mean_curve(rs)[-1][1],
+        "steps to AdamW's final": reach / budget.steps if reach else float("nan"),
         "ms/step": float(np.mean([r["seconds_per_step"] for r in rs])) * 1e3})
   print(f"\nAdamW lr sweep {adam_lrs}, Muon lr sweep {muon_lrs} (AdamW parts at {best_adam:g});"
         f" {budget.steps} steps; target = AdamW's final validation loss {target:.4f}")
