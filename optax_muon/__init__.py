@@ -9,6 +9,7 @@ presets in ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table,
 from optax_muon.alias import muon
 from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
                                      resolve_coefficients, singular_value_range)
+from optax_muon.diagnostics import diagnostics
 from optax_muon.layout import MuonDimensionNumbers, scale_factor
 from optax_muon.newton_schulz import msign, newton_schulz, ns_flops
 from optax_muon.routing import DEFAULT_ADAM_PATTERN, Route, route
@@ -27,6 +28,7 @@ __all__ = [
     "PRESET_NAMES",
     "Route",
     "RoutingSummary",
+    "diagnostics",
     "msign",
     "muon",
     "newton_schulz",

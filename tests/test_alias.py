@@ -177,3 +177,23 @@ def test_learning_rate_schedule_is_applied():
 def test_summarize_rejects_foreign_transformations():
   with pytest.raises(ValueError, match="needs a transformation from optax_muon"):
     om.summarize(_params(), optax.adam(1e-3))
+
+
+def test_diagnostics():
+  params = _params()
+  tx = om.muon(0.05, coeffs="polar_express", steps=8, adam_learning_rate=1e-3)
+  state = tx.init(params)
+  updates, state = tx.update(_grads(params, 0), state, params)
+  metrics = jax.jit(lambda u: om.diagnostics(u, tx, params))(updates)
+  muon_u = updates["layer"]["kernel"]
+  assert np.isclose(metrics["update_rms/muon"], jnp.sqrt(jnp.mean(muon_u**2)), rtol=1e-5)
+  adam_leaves = [updates[k] for k in ("embed", "norm", "lm_head")]
+  adam_rms = np.sqrt(sum(float(jnp.sum(x**2)) for x in jax.tree.leaves(adam_leaves))
+                     / sum(x.size for x in jax.tree.leaves(adam_leaves)))
+  assert np.isclose(metrics["update_rms/adam"], adam_rms, rtol=1e-5)
+  assert metrics["orthogonality_error"] < 1e-3  # Polar Express ×8: orthogonal
+  jordan = om.muon(0.05, adam_learning_rate=1e-3)
+  u, _ = jordan.update(_grads(params, 0), jordan.init(params), params)
+  assert om.diagnostics(u, jordan, params)["orthogonality_error"] > 0.05
+  with pytest.raises(ValueError, match="'embed/embedding' is not a Muon leaf"):
+    om.diagnostics(updates, tx, params, sample="embed/embedding")

@@ -1,0 +1,20 @@
+"""The quickstart notebook runs top to bottom."""
+
+import pathlib
+
+import nbclient
+import nbformat
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_notebook_executes():
+  notebook = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+  client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": str(ROOT)}})
+  client.execute()
+  outputs = "".join(str(o.get("text", "")) for cell in notebook.cells
+                    if cell.cell_type == "code" for o in cell.get("outputs", []))
+  assert "leaves on Muon" in outputs
+  assert "validation loss" in outputs
+  assert "NS, polar_express ×6" in outputs
