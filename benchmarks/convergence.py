@@ -37,7 +37,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import optax_muon  # noqa: E402
-from gpt import GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus  # noqa: E402
+from gpt import (GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus,  # noqa: E402
+                 train_step)
 from single_device import table  # noqa: E402
 
 
@@ -77,19 +78,12 @@ def run(tx, budget: Budget, seed: int, data) -> dict:
   train, val = data
   model = GPT(budget.cfg, nnx.Rngs(seed))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return loss
-
   evaluate = nnx.jit(loss_fn)
   val_batch = eval_windows(val, budget.eval_windows, budget.cfg.seq_len)
   stream = batches(train, budget.batch_size, budget.cfg.seq_len, seed=seed)
   curve, start = [], None
   for t in range(1, budget.steps + 1):
-    jax.block_until_ready(step(model, optimizer, next(stream)))
+    jax.block_until_ready(train_step(model, optimizer, next(stream)))
     if t == 1:
       start = time.perf_counter()
     if t % budget.eval_every == 0:

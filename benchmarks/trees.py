@@ -45,12 +45,17 @@ def muon_dims(params: dict, *, contrib: bool = False, adam: tuple[str, ...] = ()
   """
   cls = optax.contrib.MuonDimensionNumbers if contrib else optax_muon.MuonDimensionNumbers
 
+  stacked = any(x.ndim == 3 for x in jax.tree.leaves(params))
+
   def dims(x):
     if x.ndim == 3:
       return cls(1, 2)
-    return cls(0, 1) if x.ndim == 2 else None
+    # In a stacked tree the 2-D block leaves are per-layer vectors (L, d).
+    return cls(0, 1) if x.ndim == 2 and not stacked else None
 
-  return {k: jax.tree.map(lambda _: None, v) if k in adam else jax.tree.map(dims, v)
+  return {k: jax.tree.map(lambda _: None, v) if k in adam
+          else jax.tree.map(dims, v) if k == "blocks" else
+          jax.tree.map(lambda x: cls(0, 1) if x.ndim == 2 else None, v)
           for k, v in params.items()}
 
 

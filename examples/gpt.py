@@ -97,6 +97,14 @@ def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
                            batch[:, 1:, None], axis=-1))
 
 
+@nnx.jit
+def train_step(model: GPT, optimizer: nnx.Optimizer, batch: jax.Array) -> jax.Array:
+  """One ``nnx.Optimizer`` step on a batch; returns the loss before the step."""
+  loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+  optimizer.update(model, grads)
+  return loss
+
+
 def stdlib_corpus(max_bytes: int = 4_000_000, val_fraction: float = 0.1
                   ) -> tuple[np.ndarray, np.ndarray]:
   """The standard library's top-level ``.py`` files as bytes, split into train/validation.

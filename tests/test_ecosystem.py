@@ -10,7 +10,7 @@ from flax import nnx
 from flax.training import train_state
 
 import optax_muon as om
-from gpt import GPT, GPTConfig, batches, loss_fn, stdlib_corpus
+from gpt import GPT, GPTConfig, batches, loss_fn, stdlib_corpus, train_step
 
 CFG = GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32)
 STEPS = 12
@@ -26,14 +26,7 @@ def data():
 def _train_nnx(tx, data, steps=STEPS):
   model = GPT(CFG, nnx.Rngs(0))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def step(model, opt, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    opt.update(model, grads)
-    return loss
-
-  losses = [float(step(model, opt, data[i % len(data)])) for i in range(steps)]
+  losses = [float(train_step(model, opt, data[i % len(data)])) for i in range(steps)]
   return losses, model, opt
 
 

@@ -51,8 +51,10 @@ def _replicated_over_dp(params):
 
 
 CASES = {
-    # name: (mesh shape, axis names, stacked, specs fn, replica policy)
+    # name: (mesh shape, axis names, tree, specs fn, replica policy)
     "fsdp8": ((8,), ("fsdp",), False, _fsdp_specs, "split"),
+    "fsdp8-3-layers": ((8,), ("fsdp",), 3, _fsdp_specs, "split"),
+    "fsdp4xtp2-3-layers": ((4, 2), ("fsdp", "tp"), 3, _megatron_specs, "split"),
     "fsdp8-stacked-matrix-axis": ((8,), ("fsdp",), True, _fsdp_specs, "split"),
     "fsdp8-stacked-layer-axis": ((8,), ("fsdp",), True, _layer_axis_specs, "split"),
     "fsdp4xtp2": ((4, 2), ("fsdp", "tp"), False, _megatron_specs, "split"),
@@ -62,8 +64,10 @@ CASES = {
 }
 
 
-def _tree(stacked):
-  layers = 8 if stacked else LAYERS
+def _tree(kind):
+  """kind: False (per-layer, 4 layers), True (stacked, 8 layers) or a layer count."""
+  stacked = kind is True
+  layers = 8 if stacked else (LAYERS if kind is False else kind)
   params = gpt_tree(D, layers, stacked=stacked)
   return params, (muon_dims(params) if stacked else None)
 
