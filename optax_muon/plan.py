@@ -180,7 +180,6 @@ class Plan:
 
   def leaf_placement(self, index: int) -> str:
     """Where leaf ``index``'s matrices are orthogonalized, in words."""
-    p = self.leaves[index]
     group = next(g for g in self.groups if any(index in b.members for b in g.buckets))
     bucket = next(b for b in group.buckets if index in b.members)
     parts = []

@@ -11,7 +11,6 @@ import math
 import warnings
 from typing import Any
 
-import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from optax_muon import tree_utils

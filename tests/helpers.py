@@ -1,6 +1,5 @@
 """Test helpers: matrices with prescribed spectra and singular-value checks."""
 
-import jax.numpy as jnp
 import numpy as np
 
 

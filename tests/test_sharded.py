@@ -3,7 +3,6 @@ every NS FLOP accounted for by the plan."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
