@@ -212,3 +212,19 @@ def test_auto_method_picks_gram_only_where_it_saves_flops():
     om.newton_schulz(jnp.ones((4, 8)), method="fast")
   with pytest.raises(ValueError, match="gram_restart must be a positive integer"):
     om.newton_schulz(jnp.ones((4, 8)), gram_restart=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(2, 48), n=st.integers(2, 48), seed=st.integers(0, 2**16),
+       log_floor=st.floats(-2.0, 0.0),
+       preset=st.sampled_from([("polar_express", 8, 1e-2), ("deepseek_v4", None, 1e-2),
+                               ("jordan", 5, 0.55)]))
+def test_property_accuracy_over_spectra(m, n, seed, log_floor, preset):
+  """Random spectra in [10^log_floor, 1] (normalized σ ≥ 1e-3): each preset stays within its
+  exact-arithmetic bound (Jordan ×5: 0.53) plus rounding."""
+  name, steps, tol = preset
+  rng = np.random.default_rng(seed)
+  sv = np.sort(10.0 ** rng.uniform(log_floor, 0.0, min(m, n)))[::-1]
+  x = matrix_with_spectrum(rng, m, n, sv).astype(np.float32)
+  got = singular_values(om.newton_schulz(x, name, steps=steps))
+  assert np.abs(got - 1).max() < tol, (got.min(), got.max())
