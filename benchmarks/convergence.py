@@ -4,7 +4,8 @@ The model and data are the training example's (``examples/gpt.py``): a byte-leve
 the Python standard library's source with a fixed train/validation split. Every run has the
 same budget, warmup + cosine schedule, batch stream and init for a given seed.
 
-1. AdamW: sweep its learning rate; the best (lowest final validation loss) is A*.
+1. AdamW: sweep its learning rate; the best (lowest final validation loss) is A*. Every
+   sweep is extended (×2 or ÷2, at most twice) while its best value sits at an end.
 2. optax_muon.muon (package defaults) and optax.contrib.muon (its defaults, which also put
    the embedding and head on Muon): sweep the Muon learning rate, AdamW parts at A*.
 3. The winners again with a second seed.
@@ -119,12 +120,22 @@ def main(argv=None) -> dict:
     return r
 
   final = lambda r: r["curve"][-1][1]
-  adam = {lr: go(f"adamw lr={lr:g}", "adamw", lr, lr) for lr in adam_lrs}
-  best_adam = min(adam, key=lambda lr: final(adam[lr]))
-  best = {"adamw": best_adam}
+
+  def sweep(kind, lrs, adam_lr=None):
+    """Runs ``lrs``; while the best is at an end of the sweep, extends it by ×2 (≤ 2 more)."""
+    runs = {lr: go(f"{kind} lr={lr:g}", kind, lr, adam_lr or lr) for lr in lrs}
+    for _ in range(0 if args.quick else 2):
+      best_lr, ordered = min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
+      if best_lr not in (ordered[0], ordered[-1]):
+        break
+      lr = best_lr * 2 if best_lr == ordered[-1] else best_lr / 2
+      runs[lr] = go(f"{kind} lr={lr:g}", kind, lr, adam_lr or lr)
+    return min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
+
+  best_adam, swept = sweep("adamw", adam_lrs)
+  best, sweeps = {"adamw": best_adam}, {"adamw": swept}
   for kind in ("optax_muon", "contrib"):
-    sweep = {lr: go(f"{kind} lr={lr:g}", kind, lr, best_adam) for lr in muon_lrs}
-    best[kind] = min(sweep, key=lambda lr: final(sweep[lr]))
+    best[kind], sweeps[kind] = sweep(kind, muon_lrs, best_adam)
   for kind, lr in best.items():
     go(f"{kind} lr={lr:g}", kind, lr, best_adam, seed=1)
   variants = {
@@ -155,15 +166,16 @@ def main(argv=None) -> dict:
         "final val loss": mean_curve(rs)[-1][1],
         "steps to AdamW's final": reach / budget.steps if reach else float("nan"),
         "ms/step": float(np.mean([r["seconds_per_step"] for r in rs])) * 1e3})
-  print(f"\nAdamW lr sweep {adam_lrs}, Muon lr sweep {muon_lrs} (AdamW parts at {best_adam:g});"
-        f" {budget.steps} steps; target = AdamW's final validation loss {target:.4f}")
+  print(f"\nlearning rates swept: {sweeps} (AdamW parts of the Muon runs at {best_adam:g}); "
+        f"{budget.steps} steps; target = AdamW's final validation loss {target:.4f}")
   print(table(rows, list(rows[0]), {"final val loss": "{:.4f}",
                                     "steps to AdamW's final": "{:.2f}×", "ms/step": "{:.0f}"}))
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   summary = {"budget": {"steps": budget.steps, "batch_size": budget.batch_size,
                         "model": dataclasses.asdict(budget.cfg)},
-             "best_lr": best, "target": target, "table": rows, "runs": results}
+             "best_lr": best, "swept": sweeps, "target": target, "table": rows,
+             "runs": results}
   (out / "convergence.json").write_text(json.dumps(summary, indent=1))
   _plot(results, winners, out / "convergence.png")
   return summary

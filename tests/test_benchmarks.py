@@ -41,3 +41,12 @@ def test_sharding_quick():
   contrib_explicit = [r for r in rows if r["optimizer"] == "optax.contrib.muon"
                       and r["axes"] == "Explicit"]
   assert all(r.get("error") == "ShardingTypeError" for r in contrib_explicit)
+
+
+def test_convergence_quick(tmp_path):
+  import convergence
+  summary = convergence.main(["--quick", "--out", str(tmp_path)])
+  labels = [r["optimizer"] for r in summary["table"]]
+  assert labels[:3] == ["AdamW", "optax_muon.muon", "optax.contrib.muon"]
+  assert summary["table"][0]["steps to AdamW's final"] == 1.0  # AdamW reaches its own final
+  assert (tmp_path / "convergence.png").exists() and (tmp_path / "convergence.json").exists()
