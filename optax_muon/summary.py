@@ -99,6 +99,8 @@ class RoutingSummary:
       footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
                  f"{self.plan.ns_flops_per_device() / 1e9:.3f} GFLOP per device (ideal "
                  f"{self.plan.ideal_ns_flops_per_device() / 1e9:.3f}).")
+    if self.plan is None:  # no sharded leaves: no placement column
+      header, body = header[:-1], [row[:-1] for row in body]
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
     rule = "  ".join("-" * w for w in widths)
