@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon import tree_utils
-from optax_muon.distributed import global_shape, orthogonalize_local, orthogonalize_sharded
-from optax_muon.plan import Plan, build_plan, validate_options
-from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
-                                 resolve_param_shardings)
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
+from optax_muon.distributed import global_shape, orthogonalize_local, orthogonalize_sharded
 from optax_muon.layout import (SCALE_KINDS, MatrixLayout, make_layout,
                                resolve_dimension_numbers, scale_factor)
 from optax_muon.newton_schulz import GRAM_RESTART
 from optax_muon.orthogonalize import NSOptions, orthogonalize
+from optax_muon.plan import Plan, build_plan, validate_options
+from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
+                                 resolve_param_shardings)
 
 MOMENTUM_KINDS = ("ema", "sum")
 
@@ -32,7 +32,8 @@ class MuonState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
-  """Everything ``scale_by_muon`` was configured with, for ``summarize``.
+  """Everything ``scale_by_muon`` was configured with; the update, ``summarize`` and
+  ``diagnostics`` all read it.
 
   Attributes:
     ns: the Newton–Schulz options.
