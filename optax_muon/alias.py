@@ -9,7 +9,6 @@ import optax
 
 from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike
-from optax_muon.newton_schulz import GRAM_RESTART
 from optax_muon.routing import ADAM, DEFAULT_ADAM_PATTERN, MUON, route
 from optax_muon.transform import MuonTransformation, scale_by_muon, with_config
 
@@ -31,7 +30,7 @@ def muon(
     compute_dtype: jax.typing.DTypeLike | None = None,
     eps: float | None = None,
     method: str = "auto",
-    gram_restart: int = GRAM_RESTART,
+    gram_restart: int | None = None,
     scale: str | None = "jordan",
     rms_scale: jax.typing.ArrayLike = 0.2,
     deepseek_gamma: jax.typing.ArrayLike = 0.2,

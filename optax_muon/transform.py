@@ -177,7 +177,7 @@ def scale_by_muon(
     compute_dtype: jax.typing.DTypeLike | None = None,
     eps: float | None = None,
     method: str = "auto",
-    gram_restart: int = GRAM_RESTART,
+    gram_restart: int | None = None,
     scale: str | None = "jordan",
     rms_scale: jax.typing.ArrayLike = 0.2,
     deepseek_gamma: jax.typing.ArrayLike = 0.2,
@@ -209,7 +209,8 @@ def scale_by_muon(
     eps: overrides the preset's normalization epsilon.
     method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram-space NS where it saves FLOPs;
       see ``newton_schulz``).
-    gram_restart: steps between Gram restarts.
+    gram_restart: steps between Gram restarts; ``None`` is ``GRAM_RESTART`` (3). (None,
+      not 3, so that ``optax.inject_hyperparams`` leaves it a Python int.)
     scale: ``"jordan"``, ``"spectral"``, ``"rms"``, ``"deepseek"`` or ``None``.
     rms_scale: the ``"rms"`` constant (0.2 matches AdamW's update RMS).
     deepseek_gamma: the ``"deepseek"`` γ.
@@ -242,7 +243,7 @@ def scale_by_muon(
   config = MuonConfig(
       ns=NSOptions(resolve_coefficients(coeffs, steps, eps),
                    None if compute_dtype is None else jnp.dtype(compute_dtype), method,
-                   gram_restart, bucket),
+                   GRAM_RESTART if gram_restart is None else gram_restart, bucket),
       scale=scale, rms_scale=rms_scale, deepseek_gamma=deepseek_gamma,
       weight_dimension_numbers=weight_dimension_numbers, param_shardings=param_shardings,
       replica_policy=replica_policy,
