@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import optax_muon  # noqa: E402
 from gpt import (GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus,  # noqa: E402
                  train_step)
+from plotting import save_loss_plot  # noqa: E402
 from single_device import table  # noqa: E402
 
 
@@ -182,22 +183,10 @@ def main(argv=None) -> dict:
 
 
 def _plot(results: dict, winners: dict, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for label, prefix in winners.items():
-    r = results.get(f"{prefix} seed=0")
-    if r:
-      steps, losses = zip(*r["curve"])
-      ax.plot(steps, losses, label=label)
-  ax.set_xlabel("step")
-  ax.set_ylabel("validation loss (nats/byte)")
-  ax.set_title("Byte-level GPT on the Python standard library")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  """Validation curves of the winners (seed 0)."""
+  lines = [(*zip(*results[f"{prefix} seed=0"]["curve"]), label, {})
+           for label, prefix in winners.items() if f"{prefix} seed=0" in results]
+  save_loss_plot(path, lines, "validation loss (nats/byte)")
 
 
 if __name__ == "__main__":

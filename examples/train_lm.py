@@ -33,6 +33,7 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
 from gpt import GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus  # noqa: E402
+from plotting import save_loss_plot  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,21 +124,15 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
 
 
 def plot(results: dict, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  """Smoothed training loss and validation loss of each run."""
+  lines = []
   for name, c in results.items():
     smooth = np.convolve(c["train_loss"], np.ones(10) / 10, mode="valid")
-    ax.plot(c["step"][len(c["step"]) - len(smooth):], smooth, alpha=0.5, label=f"{name} train")
-    ax.plot(c["val_step"], c["val_loss"], marker="o", ms=3, label=f"{name} validation")
-  ax.set_xlabel("step")
-  ax.set_ylabel("next-byte loss (nats)")
-  ax.set_title("Byte-level GPT on the Python standard library")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+    lines.append((c["step"][len(c["step"]) - len(smooth):], smooth, f"{name} train",
+                  {"alpha": 0.5}))
+    lines.append((c["val_step"], c["val_loss"], f"{name} validation",
+                  {"marker": "o", "ms": 3}))
+  save_loss_plot(path, lines, "next-byte loss (nats)")
 
 
 def main(argv=None) -> dict:
