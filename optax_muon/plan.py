@@ -125,10 +125,6 @@ class Group:
   split: bool
   buckets: tuple[Bucket, ...]
 
-  def piece_size(self, bucket: Bucket) -> int:
-    m, n = bucket.shape
-    return m * n // self.exchange_size
-
   def owner_masks(self, bucket: Bucket, leaves: tuple[LeafPlacement, ...]
                   ) -> dict[tuple, np.ndarray]:
     """Per piece signature, a (g, S) bool table: does device o's slot s hold such a matrix."""
