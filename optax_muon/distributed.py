@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon.newton_schulz import newton_schulz
 from optax_muon.orthogonalize import NSOptions
 from optax_muon.plan import Group, LeafPlacement, Plan
 
@@ -131,15 +130,13 @@ def _by_signature(group: Group, bucket, leaves, owner, slot_axis: int, build):
 
 def _run_ns(group: Group, bucket, x: jax.Array, ns: NSOptions) -> jax.Array:
   """NS on the owner's (S, m, n) slots; replicas split them with the split policy."""
-  ns_fn = lambda y: newton_schulz(y, ns.coefficients, compute_dtype=ns.compute_dtype,
-                                  method=ns.method, gram_restart=ns.gram_restart)
   if not group.split:
-    return ns_fn(x)
+    return ns.run(x)
   per_replica = bucket.replica_slots
   padded = jnp.pad(x, ((0, per_replica * group.replica_size - x.shape[0]), (0, 0), (0, 0)))
   mine = jax.lax.dynamic_slice_in_dim(padded, _index(group.replica_axes) * per_replica,
                                       per_replica, axis=0)
-  gathered = jax.lax.all_gather(ns_fn(mine), group.replica_axes, axis=0, tiled=True)
+  gathered = jax.lax.all_gather(ns.run(mine), group.replica_axes, axis=0, tiled=True)
   return gathered[:x.shape[0]]
 
 
@@ -217,8 +214,4 @@ def orthogonalize_sharded(leaves: list[jax.Array], plan: Plan) -> list[jax.Array
   # say), but JAX's type system marks it as varying.
   return list(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs,
                             check_vma=False)(*leaves))
-
-
-def global_shape(local_shape: tuple[int, ...], sharding) -> tuple[int, ...]:
-  return tuple(size * sharding.shards(d) for d, size in enumerate(local_shape))
 

@@ -42,6 +42,11 @@ class NSOptions:
                      self.compute_dtype or dtype)
     return ns_flops(m, n, steps, gram, self.gram_restart)
 
+  def run(self, x: jax.Array) -> jax.Array:
+    """``newton_schulz`` of a (..., m, n) array under these options."""
+    return newton_schulz(x, self.coefficients, compute_dtype=self.compute_dtype,
+                         method=self.method, gram_restart=self.gram_restart)
+
 
 def canonical_shape(layout: MatrixLayout) -> tuple[int, int]:
   """The (m, n) matrix NS iterates on: short side first."""
@@ -71,11 +76,8 @@ def orthogonalize(leaves: list[jax.Array], layouts: list[MatrixLayout],
   Returns:
     The orthogonalized leaves, same shapes and dtypes as ``leaves``.
   """
-  ns = lambda x: newton_schulz(x, options.coefficients,
-                               compute_dtype=options.compute_dtype, method=options.method,
-                               gram_restart=options.gram_restart)
   if not options.bucket:
-    return [layout.from_matrices(ns(layout.to_matrices(x)))
+    return [layout.from_matrices(options.run(layout.to_matrices(x)))
             for x, layout in zip(leaves, layouts)]
 
   buckets = collections.defaultdict(list)  # (m, n, dtype) -> leaf indices
@@ -84,7 +86,7 @@ def orthogonalize(leaves: list[jax.Array], layouts: list[MatrixLayout],
   out = [None] * len(leaves)
   for indices in buckets.values():
     stacked = jnp.concatenate([_to_canonical(layouts[i], leaves[i]) for i in indices])
-    result = ns(stacked)  # (Σ batch, m, n)
+    result = options.run(stacked)  # (Σ batch, m, n)
     offsets = [0]
     for i in indices:
       offsets.append(offsets[-1] + layouts[i].batch)

@@ -41,6 +41,9 @@ class LeafSharding:
   def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(size // self.shards(d) for d, size in enumerate(shape))
 
+  def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(size * self.shards(d) for d, size in enumerate(local_shape))
+
   @property
   def used_axes(self) -> set[str]:
     return {a for axes in self.dim_axes for a in axes}
@@ -91,26 +94,26 @@ def leaf_shardings(shapes: list[tuple[int, ...]], typed: list[Any], paths: list[
       leaf's type, or a dimension that does not divide evenly over its mesh axes.
   """
   out = []
-  for i, (shape, typed, path) in enumerate(zip(shapes, typed, paths)):
+  for i, (shape, typed_sharding, path) in enumerate(zip(shapes, typed, paths)):
     ndim = len(shape)
     given = param_shardings[i] if param_shardings is not None else None
     if given is not None and not isinstance(given, NamedSharding):
       raise ValueError(f"{path}: param_shardings must hold NamedSharding values; got "
                        f"{type(given).__name__}.")
-    explicit = _is_explicit_sharding(typed)
+    explicit = _is_explicit_sharding(typed_sharding)
     if explicit:
-      check_axis_types(typed.mesh, path)
+      check_axis_types(typed_sharding.mesh, path)
     if given is not None:
       check_axis_types(given.mesh, path)
     if explicit and given is not None:
-      if (dim_axes_of(given.spec, ndim) != dim_axes_of(typed.spec, ndim)
-          or _mesh_signature(given.mesh) != _mesh_signature(typed.mesh)):
+      if (dim_axes_of(given.spec, ndim) != dim_axes_of(typed_sharding.spec, ndim)
+          or _mesh_signature(given.mesh) != _mesh_signature(typed_sharding.mesh)):
         raise ValueError(f"{path}: param_shardings says {given.spec} on mesh "
-                         f"{dict(given.mesh.shape)}, but the leaf is typed {typed.spec} on "
-                         f"{dict(typed.mesh.shape)}.")
-    source = typed if explicit else given
+                         f"{dict(given.mesh.shape)}, but the leaf is typed "
+                         f"{typed_sharding.spec} on {dict(typed_sharding.mesh.shape)}.")
+    source = typed_sharding if explicit else given
     if source is None:
-      if getattr(typed, "mesh", None) is not None and not typed.mesh.empty:
+      if getattr(typed_sharding, "mesh", None) is not None and not typed_sharding.mesh.empty:
         warnings.warn(f"optax_muon: {path} is on a mesh with Auto axes and no "
                       "param_shardings were given, so Newton–Schulz is left to XLA's "
                       "partitioner (possibly redundant or with collectives inside the "

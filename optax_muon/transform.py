@@ -11,7 +11,7 @@ import optax
 
 from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
-from optax_muon.distributed import global_shape, orthogonalize_local, orthogonalize_sharded
+from optax_muon.distributed import orthogonalize_local, orthogonalize_sharded
 from optax_muon.layout import (SCALE_KINDS, MatrixLayout, make_layout,
                                resolve_dimension_numbers, scale_factor)
 from optax_muon.newton_schulz import GRAM_RESTART
@@ -155,7 +155,7 @@ def _global_shapes(tree: Any, given: list[Any] | None) -> Any:
       out.append(leaf)
       continue
     local = LeafSharding(sharding.mesh, dim_axes_of(sharding.spec, leaf.ndim))
-    out.append(jax.ShapeDtypeStruct(global_shape(leaf.shape, local), leaf.dtype))
+    out.append(jax.ShapeDtypeStruct(local.global_shape(leaf.shape), leaf.dtype))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
