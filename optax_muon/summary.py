@@ -28,13 +28,9 @@ def _plan(params: Any, config: MuonConfig, layouts: list) -> tuple[Plan | None, 
   if given is None:
     given = [getattr(leaf, "sharding", None) for _, leaf in positions]
     given = [s if isinstance(s, NamedSharding) else None for s in given]
-  shardings = config.shardings([layouts[i] for i in muon], [None] * len(muon),
-                               [given[i] for i in muon])
-  sharded = [(i, s) for i, s in zip(muon, shardings) if s is not None]
-  if not sharded:
-    return None, {}
-  plan = config.plan([layouts[i] for i, _ in sharded], [s for _, s in sharded])
-  return plan, {i: k for k, (i, _) in enumerate(sharded)}
+  plan, sharded = config.plan([layouts[i] for i in muon], [None] * len(muon),
+                              [given[i] for i in muon])
+  return plan, {muon[j]: k for k, j in enumerate(sharded)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,13 +82,26 @@ class MuonConfig:
     return scale_factor(layout.n_in, layout.n_out, self.scale, rms_scale=self.rms_scale,
                         deepseek_gamma=self.deepseek_gamma)
 
-  def shardings(self, layouts: list[MatrixLayout], typed: list[Any],
-                given: list[Any] | None) -> list[LeafSharding | None]:
-    return leaf_shardings([l.shape for l in layouts], typed, [l.path for l in layouts], given)
+  def plan(self, layouts: list[MatrixLayout], typed: list[Any], given: list[Any] | None
+           ) -> tuple[Plan | None, list[int]]:
+    """The plan of the sharded leaves among ``layouts``, and their indices.
 
-  def plan(self, layouts: list[MatrixLayout], shardings: list[LeafSharding]) -> Plan:
-    return build_plan(layouts, shardings, self.ns, self.replica_policy, self.exchange,
-                      self.wire_dtype)
+    Args:
+      layouts: Muon leaves' global layouts.
+      typed: their typed shardings (``jax.typeof(x).sharding``) or None.
+      given: their ``param_shardings`` entries, or None.
+
+    Returns:
+      (plan, indices into ``layouts`` of the leaves in ``plan.leaves`` order); (None, [])
+      when no leaf carries sharding information.
+    """
+    shardings = leaf_shardings([l.shape for l in layouts], typed, [l.path for l in layouts],
+                               given)
+    sharded = [i for i, s in enumerate(shardings) if s is not None]
+    if not sharded:
+      return None, []
+    return build_plan([layouts[i] for i in sharded], [shardings[i] for i in sharded], self.ns,
+                      self.replica_policy, self.exchange, self.wire_dtype), sharded
 
   def orthogonalize(self, xs: list[jax.Array], layouts: list[MatrixLayout],
                     given: list[Any] | None, manual: bool) -> list[jax.Array]:
@@ -101,16 +114,14 @@ class MuonConfig:
       manual: inside a ``shard_map`` (``xs`` are local blocks).
     """
     typed = [None if manual else getattr(jax.typeof(x), "sharding", None) for x in xs]
-    shardings = self.shardings(layouts, typed, given)
-    sharded = [i for i, s in enumerate(shardings) if s is not None]
-    local = [i for i, s in enumerate(shardings) if s is None]
+    plan, sharded = self.plan(layouts, typed, given)
+    local = [i for i in range(len(xs)) if i not in sharded]
     out = [None] * len(xs)
     if local:
       for i, y in zip(local, orthogonalize([xs[i] for i in local], [layouts[i] for i in local],
                                            self.ns)):
         out[i] = y
-    if sharded:
-      plan = self.plan([layouts[i] for i in sharded], [shardings[i] for i in sharded])
+    if plan is not None:
       run = orthogonalize_local if manual else orthogonalize_sharded
       for i, y in zip(sharded, run([xs[i] for i in sharded], plan)):
         out[i] = y
