@@ -140,12 +140,12 @@ def main(argv=None) -> dict:
   for kind, lr in best.items():
     go(f"{kind} lr={lr:g}", kind, lr, best_adam, seed=1)
   variants = {
-      "optax_muon polar_express": dict(coeffs="polar_express"),
+      "optax_muon polar_express": dict(ns_coeffs="polar_express"),
       "optax_muon sum momentum": dict(momentum="sum"),
   }
   for name, variant in variants.items():
     go(name, "optax_muon", best["optax_muon"], best_adam, **variant)
-  go("optax_muon rms scale @ AdamW lr", "optax_muon", best_adam, best_adam, scale="rms")
+  go("optax_muon rms scale @ AdamW lr", "optax_muon", best_adam, best_adam, consistent_rms=0.2)
 
   # Summary: seeds averaged for the winners; the target is AdamW's final validation loss.
   def runs_of(prefix):

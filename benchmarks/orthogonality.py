@@ -60,11 +60,11 @@ def main(argv=None) -> list[dict]:
   references = {k: np.asarray(optax_muon.msign(x)) for k, x in matrices.items()}
   rows = []
   for name, steps in TABLES:
-    lo, hi = optax_muon.singular_value_range(name, 1e-3, steps=steps)
+    lo, hi = optax_muon.singular_value_range(name, 1e-3, ns_steps=steps)
     row = {"coefficients": name, "steps": steps, "exact [1e-3, 1]": max(1 - lo, hi - 1)}
     for dtype in (jnp.float32, jnp.bfloat16):
       for kind, x in matrices.items():
-        out = optax_muon.newton_schulz(jnp.asarray(x), name, steps=steps, compute_dtype=dtype,
+        out = optax_muon.newton_schulz(jnp.asarray(x), name, ns_steps=steps, compute_dtype=dtype,
                                        method="standard")
         row[f"{kind} {jnp.dtype(dtype).name}"] = worst_error(out, references[kind])
     rows.append(row)

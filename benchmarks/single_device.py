@@ -88,9 +88,9 @@ def bench_ns_throughput(d: int, layers: int, repeats: int) -> list[dict]:
     a = jax.random.normal(jax.random.PRNGKey(1), (batch, m, m))
     steps = 5
     fns = {
-        "standard": jax.jit(lambda x: optax_muon.newton_schulz(x, steps=steps,
+        "standard": jax.jit(lambda x: optax_muon.newton_schulz(x, ns_steps=steps,
                                                                method="standard")),
-        "auto": jax.jit(lambda x: optax_muon.newton_schulz(x, steps=steps, method="auto")),
+        "auto": jax.jit(lambda x: optax_muon.newton_schulz(x, ns_steps=steps, method="auto")),
         # The NS products: (m, n)·(n, m), (m, m)·(m, m), (m, m)·(m, n); one of each.
         "matmul": jax.jit(lambda x, a: (x @ jnp.swapaxes(x, 1, 2), a @ a, a @ x)),
     }

@@ -1,7 +1,8 @@
 """optax_muon: Muon (momentum orthogonalized by Newton–Schulz) for JAX and Optax.
 
-Building block: ``scale_by_muon`` (compose it in ``optax.chain``). Full optimizer: ``muon``
-(Muon on matrices, AdamW on the rest). Newton–Schulz: ``newton_schulz`` with the coefficient
+Building block: ``scale_by_muon`` (compose it in ``optax.chain``, with ``scale_by_shape``).
+Full optimizer: ``muon`` (Muon on matrices, AdamW on the rest). Both take every argument
+of their ``optax.contrib`` namesakes. Newton–Schulz: ``newton_schulz`` with the coefficient
 presets in ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table, and
 ``msign``, its SVD reference. ``summarize`` shows where every leaf goes.
 """
@@ -11,10 +12,10 @@ from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express
                                      resolve_coefficients, singular_value_range)
 from optax_muon.diagnostics import diagnostics
 from optax_muon.layout import MuonDimensionNumbers, scale_factor
-from optax_muon.newton_schulz import msign, newton_schulz, ns_flops
+from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz, ns_flops
 from optax_muon.routing import DEFAULT_ADAM_PATTERN, Route, route
 from optax_muon.summary import LeafSummary, RoutingSummary, summarize
-from optax_muon.transform import MuonState, MuonTransformation, scale_by_muon
+from optax_muon.transform import MuonState, MuonTransformation, scale_by_muon, scale_by_shape
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "MuonState",
     "MuonTransformation",
     "NSCoefficients",
+    "PRECONDITIONINGS",
     "PRESET_NAMES",
     "Route",
     "RoutingSummary",
@@ -37,6 +39,7 @@ __all__ = [
     "resolve_coefficients",
     "route",
     "scale_by_muon",
+    "scale_by_shape",
     "scale_factor",
     "singular_value_range",
     "summarize",

@@ -80,6 +80,8 @@ _POLAR_EXPRESS_EPS = 1e-7
 
 PRESET_NAMES: tuple[str, ...] = ("jordan", "polar_express", "deepseek_v4", "dion",
                                  "modded_nanogpt")
+#: optax.contrib.muon's preset names that are spelled differently here.
+_PRESET_ALIASES = {"standard": "jordan"}
 
 CoefficientsLike = Union[str, Sequence[float], Sequence[Sequence[float]], NSCoefficients,
                          tuple]
@@ -93,7 +95,7 @@ def _fit_rows(rows: Sequence[Triple], steps: int) -> tuple[Triple, ...]:
 
 def _validate_steps(steps, what: str) -> int:
   if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-    raise ValueError(f"{what}: steps must be a positive integer, got {steps!r}.")
+    raise ValueError(f"{what} must be a positive integer, got {steps!r}.")
   return int(steps)
 
 
@@ -115,15 +117,16 @@ def _validate_table(coeffs) -> tuple[Triple, ...]:
   return tuple(tuple(float(v) for v in row) for row in arr)
 
 
-def resolve_coefficients(coeffs: CoefficientsLike = "jordan", steps: int | None = None,
+def resolve_coefficients(ns_coeffs: CoefficientsLike = "jordan", ns_steps: int | None = None,
                          eps: float | None = None) -> NSCoefficients:
   """Resolves a user's coefficient spec into one row per NS step.
 
   Args:
-    coeffs: a preset name (see ``PRESET_NAMES``); ``("polar_express", steps, lower_bound)``
-      for a generated Polar Express table; an ``(a, b, c)`` triple (repeated every step); a
-      sequence of triples (one per step); or an ``NSCoefficients``.
-    steps: number of NS steps. ``None`` takes the preset's own count (5 for a single custom
+    ns_coeffs: a preset name (see ``PRESET_NAMES``; optax.contrib's ``"standard"`` is
+      ``"jordan"``); ``("polar_express", steps, lower_bound)`` for a generated Polar
+      Express table; an ``(a, b, c)`` triple (repeated every step); a sequence of triples
+      (one per step); or an ``NSCoefficients``.
+    ns_steps: number of NS steps. ``None`` takes the preset's own count (5 for a single custom
       triple, the table's length for a custom table). More steps than a table has repeat its
       last row; fewer take its first rows.
     eps: overrides the preset's epsilon in the normalization.
@@ -133,9 +136,18 @@ def resolve_coefficients(coeffs: CoefficientsLike = "jordan", steps: int | None 
 
   Raises:
     ValueError: unknown preset, malformed or empty table, non-positive steps.
+
+  Examples:
+    >>> import optax_muon
+    >>> table = optax_muon.resolve_coefficients("dion", 3)
+    >>> table.steps, table.rows[0]
+    (3, (4.0848, -6.8946, 2.927))
+    >>> optax_muon.resolve_coefficients((3.4445, -4.775, 2.0315)).steps
+    5
   """
+  coeffs, steps = ns_coeffs, ns_steps
   if steps is not None:
-    steps = _validate_steps(steps, "resolve_coefficients")
+    steps = _validate_steps(steps, "ns_steps")
   if isinstance(coeffs, NSCoefficients):
     out = coeffs if steps is None else dataclasses.replace(coeffs,
                                                            rows=_fit_rows(coeffs.rows, steps))
@@ -163,8 +175,10 @@ def _resolve_preset(name: str, steps: int | None) -> NSCoefficients:
     steps = steps or _POLAR_EXPRESS_DEFAULT_STEPS
     return NSCoefficients(polar_express_coefficients(steps), _POLAR_EXPRESS_SAFETY,
                           _POLAR_EXPRESS_EPS, name)
+  name = _PRESET_ALIASES.get(name, name)
   if name not in _PRESETS:
-    raise ValueError(f"Unknown Newton–Schulz preset {name!r}; expected one of {PRESET_NAMES}.")
+    raise ValueError(f"Unknown Newton–Schulz preset {name!r}; expected one of "
+                     f"{PRESET_NAMES + tuple(_PRESET_ALIASES)}.")
   preset = _PRESETS[name]
   return NSCoefficients(_fit_rows(preset.rows, steps or preset.default_steps), preset.safety,
                         preset.eps, name)
@@ -248,7 +262,7 @@ def polar_express_coefficients(steps: int, lower_bound: float = 1e-3, *,
   Raises:
     ValueError: if steps is not positive or the bounds are not in (0, 1).
   """
-  steps = _validate_steps(steps, "polar_express_coefficients")
+  steps = _validate_steps(steps, "polar_express_coefficients: steps")
   if not 0.0 < lower_bound < 1.0:
     raise ValueError(f"lower_bound must lie in (0, 1), got {lower_bound!r}.")
   if not 0.0 <= cushion < 1.0 or safety < 0.0:
@@ -258,23 +272,29 @@ def polar_express_coefficients(steps: int, lower_bound: float = 1e-3, *,
   return tuple((a / f, b / f**3, c / f**5) for a, b, c in raw[:-1]) + (raw[-1],)
 
 
-def singular_value_range(coeffs: CoefficientsLike, lower_bound: float = 1e-3, *,
-                         steps: int | None = None, points: int = 20001) -> tuple[float, float]:
+def singular_value_range(ns_coeffs: CoefficientsLike, lower_bound: float = 1e-3, *,
+                         ns_steps: int | None = None, points: int = 20001) -> tuple[float, float]:
   """Exact-arithmetic range of NS outputs for normalized singular values in [ℓ, 1].
 
   Composes the scalar polynomials on a log-spaced grid in float64 (NS acts on each
   singular value independently, so this is the iteration's worst case up to rounding).
 
   Args:
-    coeffs: anything ``resolve_coefficients`` accepts.
+    ns_coeffs: anything ``resolve_coefficients`` accepts.
     lower_bound: ℓ.
-    steps: as in ``resolve_coefficients``.
+    ns_steps: as in ``resolve_coefficients``.
     points: grid size.
 
   Returns:
     (min, max) of the composed polynomial over the grid.
+
+  Examples:
+    >>> import optax_muon
+    >>> lo, hi = optax_muon.singular_value_range("deepseek_v4")
+    >>> round(lo, 4), round(hi, 4)
+    (1.0, 1.0005)
   """
-  table = resolve_coefficients(coeffs, steps)
+  table = resolve_coefficients(ns_coeffs, ns_steps)
   x = np.geomspace(lower_bound, 1.0, points) / (1.0 + table.safety)
   for row in table.rows:
     x = _odd_quintic(np.asarray(row), x)

@@ -47,36 +47,41 @@ def is_dimension_numbers(x: Any) -> bool:
   return isinstance(x, DIMENSION_NUMBER_TYPES)
 
 
-SCALE_KINDS = ("jordan", "spectral", "rms", "deepseek", None)
+SCALE_KINDS = ("jordan", "spectral", None)
 
 
-def scale_factor(n_in: int, n_out: int, kind: str | None, *, rms_scale=0.2,
-                 deepseek_gamma=0.2):
+def scale_factor(n_in: int, n_out: int, kind: str | None, *,
+                 consistent_rms: jax.typing.ArrayLike | None = None):
   """The factor multiplying an orthogonalized update of an n_in × n_out matrix.
 
   Args:
     n_in: reduction size.
     n_out: output size.
     kind: ``"jordan"`` sqrt(max(1, n_out/n_in)); ``"spectral"`` sqrt(n_out/n_in);
-      ``"rms"`` rms_scale·sqrt(max(n_in, n_out)); ``"deepseek"``
-      deepseek_gamma·sqrt(max(n_in, n_out)); ``None`` 1.
-    rms_scale: the RMS-matching constant (Moonlight uses 0.2). May be a traced scalar.
-    deepseek_gamma: DeepSeek-V4's γ. May be a traced scalar.
+      ``None`` 1. Ignored when ``consistent_rms`` is given.
+    consistent_rms: k, for the factor k·sqrt(max(n_in, n_out)): the update's RMS is then
+      about k whatever the shape (Moonlight uses 0.2 to match AdamW; DeepSeek-V4's γ is the
+      same constant). May be a traced scalar.
 
   Returns:
-    A Python float, or a scalar array when the constant is traced.
+    A Python float, or a scalar array when ``consistent_rms`` is traced.
 
   Raises:
     ValueError: for an unknown kind.
+
+  Examples:
+    >>> import optax_muon
+    >>> optax_muon.scale_factor(256, 1024, "jordan")
+    2.0
+    >>> optax_muon.scale_factor(256, 1024, None, consistent_rms=0.2)
+    6.4
   """
+  if consistent_rms is not None:
+    return consistent_rms * math.sqrt(max(n_in, n_out))
   if kind == "jordan":
     return math.sqrt(max(1.0, n_out / n_in))
   if kind == "spectral":
     return math.sqrt(n_out / n_in)
-  if kind == "rms":
-    return rms_scale * math.sqrt(max(n_in, n_out))
-  if kind == "deepseek":
-    return deepseek_gamma * math.sqrt(max(n_in, n_out))
   if kind is None:
     return 1.0
   raise ValueError(f"Unknown update scale {kind!r}; expected one of {SCALE_KINDS}.")
@@ -152,12 +157,12 @@ def make_layout(path: str, leaf: Any, dims: Any | None) -> MatrixLayout:
     The leaf's ``MatrixLayout``.
 
   Raises:
-    ValueError: for a non-float leaf, a 0-D/1-D leaf, axes out of range or overlapping, or
+    ValueError: for a leaf that is neither floating point nor complex, a 0-D/1-D leaf, axes out of range or overlapping, or
       dimension numbers that are not ``MuonDimensionNumbers``.
   """
   shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{path}: Muon needs a floating-point leaf; got dtype {dtype} "
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(f"{path}: Muon needs a floating-point or complex leaf; got dtype {dtype} "
                      f"(shape {shape}). Route it elsewhere with `labels`.")
   if dims is None:
     if len(shape) != 2:

@@ -13,40 +13,78 @@ METHODS = ("standard", "gram", "auto")
 GRAM_RESTART = 3
 
 
-def _normalize(x: jax.Array, safety: float, eps: float) -> jax.Array:
-  """X / (‖X‖_F·(1 + safety) + eps) per matrix, computed in float32 (or wider).
+PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
-  Dividing by max|X| first keeps the sum of squares representable: without it a gradient
-  of scale 1e-20 squares to zero in float32 and fp16 squares overflow or underflow.
+
+def _gram(x: jax.Array) -> jax.Array:
+  """X·Xᴴ for a (..., m, n) array (the conjugate transpose, so complex inputs work)."""
+  return x @ jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
+def _precondition(x: jax.Array, kind: str, safety: float, eps: float
+                  ) -> tuple[jax.Array, jax.Array | None]:
+  """Scales x so that every singular value is at most 1, in float32 (or wider).
+
+  Every kind first divides each matrix by its max |X|: all four scalings are invariant to
+  that, and it keeps the sums of squares representable (a gradient of scale 1e-20 squares
+  to zero in float32, fp16 squares overflow or underflow, 1e37 squares overflow).
+
+  * ``"frobenius"``: X / (‖X‖_F·(1 + safety) + eps).
+  * ``"spectral"``: X / (‖X‖₂ + eps) (an SVD per matrix: expensive).
+  * ``"aol"``: D·X with D = diag(1/√max(Σⱼ|Aᵢⱼ|, eps)), A = X·Xᴴ ("almost orthogonal
+    layer" row scaling; Boissin et al. 2025).
+  * ``"schatten"``: X / √max(‖A‖_F, eps), the Schatten-4 norm (Grishina et al. 2025).
+
+  Returns:
+    (scaled X, its Gram matrix X·Xᴴ where the scaling already computed it, else None).
   """
   wide = jnp.promote_types(x.dtype, jnp.float32)
+  real = jnp.finfo(wide).dtype
   x = x.astype(wide)
   amax = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
-  x = x / jnp.where(amax > 0, amax, 1).astype(wide)
-  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
-  return x / (norm * (1 + safety) + eps)
+  x = x / jnp.where(amax > 0, amax, 1).astype(real)
+  if kind == "frobenius":
+    norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x)), axis=(-2, -1), keepdims=True))
+    return x / (norm * (1 + safety) + eps), None
+  if kind == "spectral":
+    norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
+    return x / (norm + eps), None
+  gram = _gram(x)
+  if kind == "aol":
+    s = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1), eps))[..., :, None]
+    return x * s, gram * s * jnp.swapaxes(s, -1, -2)
+  if kind == "schatten":
+    s = jax.lax.rsqrt(jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(jnp.abs(gram)), axis=(-2, -1),
+                                                   keepdims=True)), eps))
+    return x * s, gram * (s * s)
+  raise ValueError(f"Unknown preconditioning {kind!r}; expected one of {PRECONDITIONINGS}.")
 
 
-def _ns_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
-  """Applies X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ, once per row; x has m ≤ n."""
+def _ns_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None
+                   ) -> jax.Array:
+  """Applies X ← a·X + (b·A + c·A²)·X, A = X·Xᴴ, once per row; x has m ≤ n.
+
+  ``gram``, when given, is the first step's A (the preconditioning computed it).
+  """
   rows = jnp.asarray(rows, dtype=x.dtype)
 
-  def step(x, abc):
-    a, b, c = abc[0], abc[1], abc[2]
-    gram = x @ jnp.swapaxes(x, -1, -2)  # (..., m, m)
-    poly = b * gram + c * (gram @ gram)
-    return a * x + poly @ x, None
+  def apply(x, gram, abc):
+    return abc[0] * x + (abc[1] * gram + abc[2] * (gram @ gram)) @ x
 
-  x, _ = jax.lax.scan(step, x, rows)
+  if gram is not None:
+    x, rows = apply(x, gram, rows[0]), rows[1:]
+  x, _ = jax.lax.scan(lambda x, abc: (apply(x, _gram(x), abc), None), x, rows)
   return x
 
 
-def _gram_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
+def _gram_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None
+                     ) -> jax.Array:
   """The same iteration carried out on m × m matrices; x has m ≤ n.
 
   Every X_k is Q_k·X_0 with Q_k a polynomial in G = X_0·X_0ᵀ, so everything commutes:
   P_k = a·I + b·A_k + c·A_k², Q_{k+1} = P_k·Q_k, A_{k+1} = P_k·A_k·P_k. Only G and the final
   Q·X_0 touch the long side: 4·m²·n + 8·m³ per step instead of (4·m²·n + 2·m³) per step.
+  ``gram``, when given, is G (the preconditioning computed it).
   """
   rows = jnp.asarray(rows, dtype=x.dtype)
   eye = jnp.eye(x.shape[-2], dtype=x.dtype)
@@ -59,7 +97,7 @@ def _gram_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
     p = poly(gram, abc)
     return (p @ q, p @ (gram @ p)), None
 
-  gram = x @ jnp.swapaxes(x, -1, -2)
+  gram = _gram(x) if gram is None else gram
   q = poly(gram, rows[0])  # Q_1 = P_0: no product with the identity.
   if len(rows) > 1:
     gram = q @ (gram @ q)
@@ -68,23 +106,27 @@ def _gram_iterations(x: jax.Array, rows: np.ndarray) -> jax.Array:
   return q @ x
 
 
-def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
-                  steps: int | None = None, compute_dtype: jnp.dtype | None = None,
-                  eps: float | None = None, method: str = "auto",
-                  gram_restart: int = GRAM_RESTART) -> jax.Array:
-  """Approximates msign(x) = U·Vᵀ for every matrix in a batch.
+def newton_schulz(x: jax.Array, ns_coeffs: CoefficientsLike = "jordan", *,
+                  ns_steps: int | None = None, compute_dtype: jnp.dtype | None = None,
+                  eps: float | None = None, preconditioning: str = "frobenius",
+                  method: str = "auto", gram_restart: int = GRAM_RESTART) -> jax.Array:
+  """Approximates msign(x) = U·Vᴴ for every matrix in a batch.
 
   The iteration runs on the short side (x is transposed when rows > columns), starting
-  from x normalized by its Frobenius norm computed in float32.
+  from x scaled by ``preconditioning`` in float32. Complex matrices use conjugate
+  transposes. A zero-size input is returned as it is.
 
   Args:
     x: array of shape ``(..., m, n)``; leading axes are a batch of independent matrices.
-    coeffs: a preset name, a triple, a table of triples, ``("polar_express", steps, ℓ)`` or
-      an ``NSCoefficients`` (see ``resolve_coefficients``).
-    steps: number of NS steps; ``None`` takes the preset's own count.
+    ns_coeffs: a preset name, a triple, a table of triples, ``("polar_express", steps, ℓ)``
+      or an ``NSCoefficients`` (see ``resolve_coefficients``).
+    ns_steps: number of NS steps; ``None`` takes the preset's own count.
     compute_dtype: dtype of the matrix products (e.g. ``jnp.bfloat16``); ``None`` keeps
       ``x.dtype``.
     eps: overrides the preset's epsilon in the normalization.
+    preconditioning: how x is scaled before the first step: ``"frobenius"`` (the preset's
+      normalization), ``"spectral"``, ``"aol"`` or ``"schatten"``, as in
+      ``optax.contrib.muon`` (see ``PRECONDITIONINGS``).
     method: ``"standard"`` (X ← a·X + (b·A + c·A²)·X), ``"gram"`` (the same polynomial
       carried out on the m × m Gram matrix, restarted from X every ``gram_restart`` steps),
       or ``"auto"``: Gram where it needs fewer FLOPs (see ``uses_gram``).
@@ -95,27 +137,52 @@ def newton_schulz(x: jax.Array, coeffs: CoefficientsLike = "jordan", *,
     An array of ``x``'s shape and dtype.
 
   Raises:
-    ValueError: if ``x`` has fewer than 2 dimensions or is not floating point, or the
-      coefficients are invalid.
+    ValueError: if ``x`` has fewer than 2 dimensions or is not floating point or complex,
+      or the coefficients or options are invalid.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_muon
+    >>> x = jax.random.normal(jax.random.PRNGKey(0), (3, 16, 64))  # 3 matrices
+    >>> y = optax_muon.newton_schulz(x, "polar_express", ns_steps=8)
+    >>> s = jnp.linalg.svd(y, compute_uv=False)
+    >>> bool(jnp.all(jnp.abs(s - 1) < 1e-3))
+    True
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024.
+
+    Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application
+    to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
   """
-  table = resolve_coefficients(coeffs, steps, eps)
+  table = resolve_coefficients(ns_coeffs, ns_steps, eps)
   if x.ndim < 2:
     raise ValueError(f"newton_schulz expects an array of shape (..., m, n); got shape "
                      f"{x.shape}.")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"newton_schulz expects a floating-point array; got {x.dtype}.")
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    raise ValueError(f"newton_schulz expects a floating-point or complex array; got "
+                     f"{x.dtype}.")
+  if preconditioning not in PRECONDITIONINGS:
+    raise ValueError(f"Unknown preconditioning {preconditioning!r}; expected one of "
+                     f"{PRECONDITIONINGS}.")
+  if x.size == 0:
+    return x
   out_dtype = x.dtype
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
+  if jnp.issubdtype(out_dtype, jnp.complexfloating):
+    compute_dtype = jnp.promote_types(compute_dtype, out_dtype)
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
-  x = _normalize(x, table.safety, table.eps).astype(compute_dtype)
+  x, gram = _precondition(x, preconditioning, table.safety, table.eps)
+  x = x.astype(compute_dtype)
+  gram = None if gram is None else gram.astype(compute_dtype)
   rows = np.asarray(table.rows)
   if uses_gram(method, x.shape[-2], x.shape[-1], table.steps, gram_restart, compute_dtype):
     for start in range(0, len(rows), gram_restart):
-      x = _gram_iterations(x, rows[start:start + gram_restart])
+      x = _gram_iterations(x, rows[start:start + gram_restart], gram if start == 0 else None)
   else:
-    x = _ns_iterations(x, rows)
+    x = _ns_iterations(x, rows, gram)
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   return x.astype(out_dtype)
@@ -182,5 +249,5 @@ def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_
     raise ValueError(f"gram_restart must be a positive integer, got {gram_restart!r}.")
   if method != "auto":
     return method == "gram"
-  return (jnp.finfo(compute_dtype).bits >= 32
+  return (jnp.finfo(compute_dtype).bits >= 32  # complex64's parts are 32-bit
           and ns_flops(m, n, steps, True, gram_restart) < ns_flops(m, n, steps))

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from optax_muon.coefficients import NSCoefficients
 from optax_muon.layout import MatrixLayout
-from optax_muon.newton_schulz import GRAM_RESTART, newton_schulz, ns_flops, uses_gram
+from optax_muon.newton_schulz import (GRAM_RESTART, PRECONDITIONINGS, newton_schulz, ns_flops,
+                                      uses_gram)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,7 @@ class NSOptions:
     gram_restart: steps between Gram restarts.
     bucket: stack same-shape matrices (in canonical orientation, short side first) into one
       batched NS call instead of one call per leaf.
+    preconditioning: the scaling before the first step (see ``newton_schulz``).
   """
 
   coefficients: NSCoefficients
@@ -31,9 +33,13 @@ class NSOptions:
   method: str = "auto"
   gram_restart: int = GRAM_RESTART
   bucket: bool = True
+  preconditioning: str = "frobenius"
 
   def __post_init__(self):
     uses_gram(self.method, 1, 1, 1, self.gram_restart)  # Validates both.
+    if self.preconditioning not in PRECONDITIONINGS:
+      raise ValueError(f"preconditioning must be one of {PRECONDITIONINGS}, got "
+                       f"{self.preconditioning!r}.")
 
   def flops(self, m: int, n: int, dtype=jnp.float32) -> int:
     """NS FLOPs of one m × n matrix of ``dtype`` under these options."""
@@ -45,7 +51,8 @@ class NSOptions:
   def run(self, x: jax.Array) -> jax.Array:
     """``newton_schulz`` of a (..., m, n) array under these options."""
     return newton_schulz(x, self.coefficients, compute_dtype=self.compute_dtype,
-                         method=self.method, gram_restart=self.gram_restart)
+                         preconditioning=self.preconditioning, method=self.method,
+                         gram_restart=self.gram_restart)
 
 
 def canonical_shape(layout: MatrixLayout) -> tuple[int, int]:

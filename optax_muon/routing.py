@@ -35,8 +35,8 @@ class Route:
 
 
 def _default_route(path: str, leaf: Any, pattern: re.Pattern | None) -> Route:
-  if not jnp.issubdtype(leaf.dtype, jnp.floating):
-    return Route(path, ADAM, "not floating point")
+  if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+    return Route(path, ADAM, "not floating point or complex")
   if leaf.ndim < 2:
     return Route(path, ADAM, f"{leaf.ndim}-D")
   if pattern is not None and pattern.search(path):

@@ -61,12 +61,12 @@ def test_default_routing_of_nnx_gpt():
 def test_summary_costs():
   params = {"w": jnp.zeros((64, 256)), "stack": jnp.zeros((3, 256, 64))}
   dims = {"w": None, "stack": DN(1, 2)}
-  tx = om.scale_by_muon(coeffs="polar_express", steps=6, method="standard",
-                        weight_dimension_numbers=dims)
+  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=6, method="standard",
+                        weight_dimension_numbers=dims, scale="jordan")
   rows = {r.path: r for r in om.summarize(params, tx).rows}
   assert rows["w"].ns_flops == 6 * (4 * 64 * 64 * 256 + 2 * 64**3)
   # Gram: 2 chunks of 3 steps, each 4·m²·n + 10·m³ + 8·m³.
-  gram = om.scale_by_muon(coeffs="polar_express", steps=6, weight_dimension_numbers=dims)
+  gram = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=6, weight_dimension_numbers=dims)
   assert {r.path: r for r in om.summarize(params, gram).rows}["w"].ns_flops == 2 * (4 * 64 * 64 * 256 + 18 * 64**3)
   assert rows["stack"].ns_flops == 3 * rows["w"].ns_flops
   assert rows["stack"].ns_matrix == (64, 256) and rows["stack"].scale == 1.0
@@ -128,9 +128,9 @@ def test_adam_branch_is_true_adamw_and_muon_decay_is_decoupled():
   params = _params()
   lr, wd, adam_lr, adam_wd = 0.05, 0.1, 0.003, 0.01
   tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
-               adam_b2=0.98, coeffs="polar_express", steps=8)
+               adam_b2=0.98, ns_coeffs="polar_express", ns_steps=8)
   adamw = optax.adamw(adam_lr, b2=0.98, weight_decay=adam_wd)
-  muon_only = om.scale_by_muon(coeffs="polar_express", steps=8)
+  muon_only = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale="jordan")
   adam_keys = ("embed", "norm", "lm_head")
   s, s_adam = tx.init(params), adamw.init(params)
   s_muon = muon_only.init({"w": params["layer"]["kernel"]})
@@ -165,7 +165,7 @@ def test_matches_optax_contrib_muon():
 def test_learning_rate_schedule_is_applied():
   params = {"w": jnp.ones((8, 8)) + jnp.eye(8)}
   schedule = optax.linear_schedule(0.1, 0.0, 4)
-  tx = om.muon(schedule, coeffs="polar_express", steps=8)
+  tx = om.muon(schedule, ns_coeffs="polar_express", ns_steps=8)
   state = tx.init(params)
   norms = []
   for t in range(5):
@@ -181,7 +181,7 @@ def test_summarize_rejects_foreign_transformations():
 
 def test_diagnostics():
   params = _params()
-  tx = om.muon(0.05, coeffs="polar_express", steps=8, adam_learning_rate=1e-3)
+  tx = om.muon(0.05, ns_coeffs="polar_express", ns_steps=8, adam_learning_rate=1e-3)
   state = tx.init(params)
   updates, state = tx.update(_grads(params, 0), state, params)
   metrics = jax.jit(lambda u: om.diagnostics(u, tx, params))(updates)

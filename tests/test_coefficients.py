@@ -43,7 +43,7 @@ def test_generated_tables_improve_with_steps(lower_bound):
 
 
 def test_six_step_table_within_one_percent_exactly():
-  lo, hi = om.singular_value_range("polar_express", 1e-3, steps=6)
+  lo, hi = om.singular_value_range("polar_express", 1e-3, ns_steps=6)
   assert 0.99 <= lo and hi <= 1.01
 
 

@@ -25,14 +25,14 @@ def _two_decade_matrices(m=48, n=96, batch=3, seed=0):
 ])
 def test_preset_singular_values_on_ill_conditioned(shape, preset, steps, lo, hi):
   x = _two_decade_matrices(*shape)
-  out = jax.jit(lambda x: om.newton_schulz(x, preset, steps=steps))(x)
+  out = jax.jit(lambda x: om.newton_schulz(x, preset, ns_steps=steps))(x)
   sv = singular_values(out)
   assert sv.min() >= lo and sv.max() <= hi, (sv.min(), sv.max())
 
 
 def test_polar_express_8_steps_matches_msign():
   x = _two_decade_matrices(32, 80, batch=2, seed=1)
-  out = om.newton_schulz(x, "polar_express", steps=8)
+  out = om.newton_schulz(x, "polar_express", ns_steps=8)
   assert rel_err(out, om.msign(x)) < 2e-3
 
 
@@ -41,13 +41,13 @@ def test_jordan_is_not_orthogonal_but_polar_express_is():
   x = _two_decade_matrices(64, 64, batch=1, seed=2)
   sv_jordan = singular_values(om.newton_schulz(x, "jordan"))
   assert sv_jordan.max() - sv_jordan.min() > 0.2  # Jordan's documented spread.
-  sv_pe = singular_values(om.newton_schulz(x, "polar_express", steps=8))
+  sv_pe = singular_values(om.newton_schulz(x, "polar_express", ns_steps=8))
   assert np.abs(sv_pe - 1).max() < 1e-3
 
 
 def test_output_keeps_singular_vectors():
   x = _two_decade_matrices(32, 64, batch=1, seed=3)[0]
-  out = np.asarray(om.newton_schulz(x, "polar_express", steps=8), np.float64)
+  out = np.asarray(om.newton_schulz(x, "polar_express", ns_steps=8), np.float64)
   # O = U V^T  ⇒  O^T X = V Σ V^T is symmetric positive semi-definite.
   sym = out.T @ x
   assert np.allclose(sym, sym.T, atol=1e-4)
@@ -57,8 +57,8 @@ def test_output_keeps_singular_vectors():
 def test_batch_axes_are_independent():
   x = _two_decade_matrices(16, 24, batch=4, seed=4)
   x[2] *= 1e3  # Per-matrix normalization: scale must not leak across the batch.
-  batched = om.newton_schulz(x.reshape(2, 2, 16, 24), "polar_express", steps=8)
-  singles = np.stack([om.newton_schulz(xi, "polar_express", steps=8) for xi in x])
+  batched = om.newton_schulz(x.reshape(2, 2, 16, 24), "polar_express", ns_steps=8)
+  singles = np.stack([om.newton_schulz(xi, "polar_express", ns_steps=8) for xi in x])
   assert rel_err(np.asarray(batched).reshape(4, 16, 24), singles) < 1e-5
 
 
@@ -78,8 +78,8 @@ def _manual_ns(x, rows, safety, eps):
 def test_more_steps_repeat_last_row_fewer_take_first_rows():
   x = _two_decade_matrices(12, 20, batch=1, seed=5)[0]
   table = [(3.0, -3.2, 1.2), (2.5, -2.0, 0.6), (2.0, -1.5, 0.5)]
-  more = om.newton_schulz(x, table, steps=5)
-  fewer = om.newton_schulz(x, table, steps=2)
+  more = om.newton_schulz(x, table, ns_steps=5)
+  fewer = om.newton_schulz(x, table, ns_steps=2)
   assert rel_err(more, _manual_ns(x, table + [table[-1]] * 2, 0.0, 1e-7)) < 1e-4
   assert rel_err(fewer, _manual_ns(x, table[:2], 0.0, 1e-7)) < 1e-4
   # The DeepSeek hybrid keeps its 10 steps; it is not truncated to a default of 5.
@@ -98,15 +98,15 @@ def test_zero_input_is_zero_not_nan(dtype):
 def test_vector_shaped_matrices(shape):
   """A rank-1 matrix's polar factor is x / ‖x‖."""
   x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-  out = om.newton_schulz(x, "polar_express", steps=8)
+  out = om.newton_schulz(x, "polar_express", ns_steps=8)
   assert rel_err(out, x / np.linalg.norm(x)) < 1e-3
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-15, 1e15])
 def test_extreme_scales_are_scale_invariant(scale):
   x = _two_decade_matrices(16, 32, batch=1, seed=6)[0]
-  ref = om.newton_schulz(x, "polar_express", steps=8)
-  out = om.newton_schulz(x * np.float32(scale), "polar_express", steps=8)
+  ref = om.newton_schulz(x, "polar_express", ns_steps=8)
+  out = om.newton_schulz(x * np.float32(scale), "polar_express", ns_steps=8)
   assert np.all(np.isfinite(out))
   assert rel_err(out, ref) < 1e-4
 
@@ -120,9 +120,9 @@ def test_fp16_large_values_do_not_overflow():
 def test_bf16_compute_stays_close_to_msign(preset):
   """bf16 matmuls with float32 normalization, for presets whose exact bound is < 1e-2."""
   steps = 8 if preset == "polar_express" else None
-  assert max(abs(v - 1) for v in om.singular_value_range(preset, steps=steps)) < 1e-2
+  assert max(abs(v - 1) for v in om.singular_value_range(preset, ns_steps=steps)) < 1e-2
   x = _two_decade_matrices(64, 128, batch=2, seed=7)
-  out = om.newton_schulz(x, preset, steps=steps, compute_dtype=jnp.bfloat16)
+  out = om.newton_schulz(x, preset, ns_steps=steps, compute_dtype=jnp.bfloat16)
   assert out.dtype == jnp.float32
   sv = singular_values(out)
   assert np.all(np.isfinite(sv)) and np.abs(sv - 1).max() < 2e-2
@@ -141,7 +141,7 @@ def test_msign_rank_deficient():
   ref = om.msign(x.astype(np.float32))
   assert np.allclose(singular_values(ref)[:3], 1, atol=1e-5)
   assert np.allclose(singular_values(ref)[3:], 0, atol=1e-5)
-  out = om.newton_schulz(x.astype(np.float32), "polar_express", steps=8)
+  out = om.newton_schulz(x.astype(np.float32), "polar_express", ns_steps=8)
   assert rel_err(out, ref) < 5e-3
 
 
@@ -161,7 +161,7 @@ def test_bad_coefficients(coeffs, match):
 @pytest.mark.parametrize("steps", [0, -1, 2.5, True])
 def test_bad_steps(steps):
   with pytest.raises(ValueError, match="steps must be a positive integer"):
-    om.newton_schulz(jnp.ones((4, 4)), steps=steps)
+    om.newton_schulz(jnp.ones((4, 4)), ns_steps=steps)
 
 
 def test_bad_arrays():
@@ -183,7 +183,7 @@ def test_property_polar_express_is_orthogonal(m, n, dtype, log_scale, seed):
   rng = np.random.default_rng(seed)
   sv = np.geomspace(0.1, 1.0, min(m, n)) * 10.0**log_scale
   x = matrix_with_spectrum(rng, m, n, sv).astype(np.float32)
-  out = om.newton_schulz(jnp.asarray(x, dtype), "polar_express", steps=8)
+  out = om.newton_schulz(jnp.asarray(x, dtype), "polar_express", ns_steps=8)
   assert out.shape == (m, n) and out.dtype == dtype
   got = singular_values(np.asarray(out, np.float32))
   assert np.all(np.isfinite(got))
@@ -197,8 +197,8 @@ def test_property_polar_express_is_orthogonal(m, n, dtype, log_scale, seed):
 def test_gram_iteration_matches_standard(preset, steps, shape):
   """Gram-space NS (with restarts) is the same iteration: within 2e-5 in float32."""
   x = _two_decade_matrices(*shape, batch=2, seed=9)
-  standard = om.newton_schulz(x, preset, steps=steps, method="standard")
-  gram = om.newton_schulz(x, preset, steps=steps, method="gram")
+  standard = om.newton_schulz(x, preset, ns_steps=steps, method="standard")
+  gram = om.newton_schulz(x, preset, ns_steps=steps, method="gram")
   assert rel_err(gram, standard) < 2e-5
 
 
@@ -226,5 +226,5 @@ def test_property_accuracy_over_spectra(m, n, seed, log_floor, preset):
   rng = np.random.default_rng(seed)
   sv = np.sort(10.0 ** rng.uniform(log_floor, 0.0, min(m, n)))[::-1]
   x = matrix_with_spectrum(rng, m, n, sv).astype(np.float32)
-  got = singular_values(om.newton_schulz(x, name, steps=steps))
+  got = singular_values(om.newton_schulz(x, name, ns_steps=steps))
   assert np.abs(got - 1).max() < tol, (got.min(), got.max())

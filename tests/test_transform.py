@@ -82,8 +82,8 @@ def test_sum_momentum_matches_numpy_reference(nesterov):
   params = {"w": jnp.zeros((24, 40)), "v": jnp.zeros((40, 24))}
   beta = 0.9
   table = om.resolve_coefficients("polar_express", 6)
-  tx = om.scale_by_muon(beta, momentum="sum", nesterov=nesterov, coeffs="polar_express",
-                        steps=6)
+  tx = om.scale_by_muon(beta=beta, momentum="sum", nesterov=nesterov, ns_coeffs="polar_express",
+                        ns_steps=6, scale="jordan")
   ours, _ = _run(tx, params, steps=4)
   mom = {k: np.zeros(v.shape) for k, v in params.items()}
   for t in range(4):
@@ -101,7 +101,7 @@ def test_ema_without_bias_correction_is_keller_jordan():
   """KellerJordan/Muon: m.lerp_(g, 1-β); update = g.lerp(m, β), no bias correction."""
   params = {"w": jnp.zeros((16, 16))}
   beta = 0.95
-  tx = om.scale_by_muon(beta, bias_correction=False, coeffs="polar_express", steps=8)
+  tx = om.scale_by_muon(beta=beta, bias_correction=False, ns_coeffs="polar_express", ns_steps=8)
   ours, _ = _run(tx, params, steps=3)
   table = om.resolve_coefficients("polar_express", 8)
   m = np.zeros((16, 16))
@@ -112,22 +112,22 @@ def test_ema_without_bias_correction_is_keller_jordan():
     assert rel_err(ours[t]["w"], _numpy_ns(n, table.rows, table.safety, table.eps)) < 1e-4
 
 
-@pytest.mark.parametrize("kind,expected", [
-    ("jordan", lambda i, o: np.sqrt(max(1, o / i))),
-    ("spectral", lambda i, o: np.sqrt(o / i)),
-    ("rms", lambda i, o: 0.3 * np.sqrt(max(i, o))),
-    ("deepseek", lambda i, o: 0.18 * np.sqrt(max(i, o))),
-    (None, lambda i, o: 1.0),
+@pytest.mark.parametrize("kind,consistent_rms,expected", [
+    ("jordan", None, lambda i, o: np.sqrt(max(1, o / i))),
+    ("spectral", None, lambda i, o: np.sqrt(o / i)),
+    (None, 0.3, lambda i, o: 0.3 * np.sqrt(max(i, o))),
+    ("jordan", 0.3, lambda i, o: 0.3 * np.sqrt(max(i, o))),
+    (None, None, lambda i, o: 1.0),
 ])
-def test_update_scale(kind, expected):
+def test_update_scale(kind, consistent_rms, expected):
   params = {"wide": jnp.zeros((16, 64)), "tall": jnp.zeros((64, 16))}
-  tx = om.scale_by_muon(coeffs="polar_express", steps=8, scale=kind, rms_scale=0.3,
-                        deepseek_gamma=0.18)
+  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale=kind,
+                        consistent_rms=consistent_rms)
   (u,), _ = _run(tx, params, steps=1)
   for k, (i, o) in {"wide": (16, 64), "tall": (64, 16)}.items():
     sv = singular_values(u[k])
     assert np.allclose(sv, expected(i, o), rtol=2e-3), (k, sv[:3])
-  if kind == "rms":  # RMS of the update is rms_scale, whatever the shape.
+  if consistent_rms:  # RMS of the update is consistent_rms, whatever the shape.
     assert np.allclose([float(jnp.sqrt(jnp.mean(v**2))) for v in u.values()], 0.3, rtol=2e-3)
 
 
@@ -145,7 +145,7 @@ def test_conv_and_per_head_dimension_numbers():
   conv = rng.standard_normal((3, 3, 8, 16)).astype(np.float32)
   heads = rng.standard_normal((32, 4, 8)).astype(np.float32)
   dims = {"conv": DN((0, 1, 2), 3), "heads": DN(0, 2)}
-  tx = om.scale_by_muon(coeffs="polar_express", steps=8, scale=None, weight_dimension_numbers=dims)
+  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale=None, weight_dimension_numbers=dims)
   state = tx.init({"conv": conv, "heads": heads})
   u, _ = tx.update({"conv": conv, "heads": heads}, state)
   conv_matrix = np.asarray(u["conv"]).reshape(72, 16)
@@ -200,7 +200,7 @@ def test_contrib_gives_nan_for_fp16_zeros():
     ({"b": jnp.zeros(8)}, None, r"b: Muon needs a matrix; got a 1-D leaf"),
     ({"s": jnp.zeros(())}, None, r"s: Muon needs a matrix; got a 0-D leaf"),
     ({"s": jnp.zeros(())}, {"s": DN()}, r"s: Muon needs at least 2 dimensions"),
-    ({"i": jnp.zeros((4, 4), jnp.int32)}, None, r"i: Muon needs a floating-point leaf"),
+    ({"i": jnp.zeros((4, 4), jnp.int32)}, None, r"i: Muon needs a floating-point or complex leaf"),
     ({"w": jnp.zeros((2, 4, 4))}, {"w": DN(1, 1)}, r"w: reduction axes \(1,\) and output "
      r"axes \(1,\) overlap"),
     ({"w": jnp.zeros((2, 4, 4))}, {"w": DN(0, 3)}, r"w: output_axis 3 is out of range"),
@@ -221,4 +221,4 @@ def test_bad_options():
   with pytest.raises(ValueError, match="scale must be one of"):
     om.scale_by_muon(scale="shape")
   with pytest.raises(ValueError, match="Unknown Newton–Schulz preset"):
-    om.scale_by_muon(coeffs="jordan5")
+    om.scale_by_muon(ns_coeffs="jordan5")
