@@ -11,6 +11,7 @@ import math
 import warnings
 from typing import Any
 
+import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from optax_muon import tree_utils
@@ -132,10 +133,39 @@ def leaf_shardings(shapes: list[tuple[int, ...]], typed: list[Any], paths: list[
   return out
 
 
+def _mesh_in_context():
+  """The (abstract) mesh set with ``jax.set_mesh``, or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
 def resolve_param_shardings(param_shardings: Any, tree: Any) -> list[Any] | None:
-  """One NamedSharding (or None) per position of ``tree``, from a tree or prefix tree."""
+  """One NamedSharding (or None) per position of ``tree``.
+
+  Args:
+    param_shardings: a tree or prefix tree, matched to ``tree`` by path, of
+      ``NamedSharding`` or ``PartitionSpec`` (resolved against the mesh set with
+      ``jax.set_mesh``): a pure dict, an ``nnx.State``, a tree of ``nnx.Variable``s or
+      linen boxes (``nnx.get_named_sharding``, ``nn.get_sharding``,
+      ``nn.logical_to_mesh_sharding`` output), or None.
+    tree: the params or updates.
+
+  Returns:
+    A list aligned with ``tree_utils.flatten_positions(tree)``, or None.
+
+  Raises:
+    ValueError: if the trees don't match (naming the leaf), or PartitionSpecs are given
+      with no mesh set.
+  """
   if param_shardings is None:
     return None
-  return tree_utils.broadcast_prefix(
-      param_shardings, tree, is_value=lambda x: isinstance(x, NamedSharding),
+  values = tree_utils.broadcast_prefix(
+      param_shardings, tree, is_value=lambda x: isinstance(x, (NamedSharding, PartitionSpec)),
       what="param_shardings")
+  if not any(isinstance(v, PartitionSpec) for v in values):
+    return values
+  mesh = _mesh_in_context()
+  if mesh is None:
+    raise ValueError("param_shardings holds PartitionSpecs but no mesh is set: call the "
+                     "optimizer under `with jax.set_mesh(mesh):`, or pass NamedShardings.")
+  return [NamedSharding(mesh, v) if isinstance(v, PartitionSpec) else v for v in values]
