@@ -78,6 +78,8 @@ def scale_factor(n_in: int, n_out: int, kind: str | None, *,
   """
   if consistent_rms is not None:
     return consistent_rms * math.sqrt(max(n_in, n_out))
+  if n_in == 0:  # an empty matrix: its update is empty whatever the factor
+    return 1.0
   if kind == "jordan":
     return math.sqrt(max(1.0, n_out / n_in))
   if kind == "spectral":

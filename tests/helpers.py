@@ -18,5 +18,6 @@ def singular_values(x) -> np.ndarray:
 
 
 def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+  a, b = np.asarray(a, wide), np.asarray(b, wide)
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
