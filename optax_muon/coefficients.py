@@ -261,6 +261,16 @@ def polar_express_coefficients(steps: int, lower_bound: float = 1e-3, *,
 
   Raises:
     ValueError: if steps is not positive or the bounds are not in (0, 1).
+
+  Examples:
+    >>> import optax_muon
+    >>> rows = optax_muon.polar_express_coefficients(8, safety=0.0)
+    >>> [round(v, 4) for v in rows[0]]  # the published first row
+    [8.2872, -23.5959, 17.3004]
+
+  References:
+    Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application
+    to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
   """
   steps = _validate_steps(steps, "polar_express_coefficients: steps")
   if not 0.0 < lower_bound < 1.0:

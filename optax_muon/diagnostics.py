@@ -34,6 +34,16 @@ def diagnostics(updates: Any, tx: MuonTransformation, params: Any,
 
   Raises:
     ValueError: if ``sample`` names no Muon leaf.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_muon
+    >>> params = {"w": jnp.zeros((32, 32)), "b": jnp.zeros(32)}
+    >>> tx = optax_muon.muon(0.02, "polar_express", 8)
+    >>> grads = {"w": jax.random.normal(jax.random.PRNGKey(0), (32, 32)), "b": jnp.ones(32)}
+    >>> updates, _ = tx.update(grads, tx.init(params), params)
+    >>> metrics = optax_muon.diagnostics(updates, tx, params)
+    >>> sorted(metrics), bool(metrics["orthogonality_error"] < 1e-3)
+    (['orthogonality_error', 'update_rms/adam', 'update_rms/muon'], True)
   """
   positions, _ = tree_utils.flatten_positions(updates)
   if tx.muon_router is None:

@@ -30,10 +30,19 @@ class MuonDimensionNumbers(NamedTuple):
     reduction_axis: the input axis or axes (``n_in``, contracted in ``x @ W``).
     output_axis: the output axis or axes (``n_out``).
 
-  Examples: a stacked (L, d_in, d_out) kernel is ``MuonDimensionNumbers(1, 2)``; a conv kernel
+  A stacked (L, d_in, d_out) kernel is ``MuonDimensionNumbers(1, 2)``; a conv kernel
   (kh, kw, c_in, c_out) as one matrix is ``MuonDimensionNumbers((0, 1, 2), 3)``; a fused
   per-head projection (d, heads, head_dim) orthogonalized per head is
   ``MuonDimensionNumbers(0, 2)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_muon
+    >>> DN = optax_muon.MuonDimensionNumbers
+    >>> params = {"stack": jnp.zeros((4, 32, 128)), "conv": jnp.zeros((3, 3, 8, 16))}
+    >>> tx = optax_muon.scale_by_muon(
+    ...     weight_dimension_numbers={"stack": DN(1, 2), "conv": DN((0, 1, 2), 3)})
+    >>> [(r.path, r.ns_matrix, r.batch) for r in optax_muon.summarize(params, tx).rows]
+    [('conv', (16, 72), 1), ('stack', (32, 128), 4)]
   """
 
   reduction_axis: Sequence[int] | int = 0

@@ -199,7 +199,14 @@ def msign(x: jax.Array, *, rank_tol: float | None = None) -> jax.Array:
     rank_tol: relative threshold; ``None`` uses ``max(m, n)·ε`` of the SVD dtype.
 
   Returns:
-    U·diag(σ > tol)·Vᵀ in float32 (float64 when x64 is enabled and ``x`` is float64).
+    U·diag(σ > tol)·Vᴴ in float32 or complex64 (64-bit types when x64 is enabled and ``x``
+    is 64-bit).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_muon
+    >>> optax_muon.msign(jnp.array([[3.0, 0.0], [0.0, -0.5]]))
+    Array([[ 1.,  0.],
+           [ 0., -1.]], dtype=float32)
   """
   if x.ndim < 2:
     raise ValueError(f"msign expects an array of shape (..., m, n); got shape {x.shape}.")
@@ -224,6 +231,11 @@ def ns_flops(m: int, n: int, steps: int, gram: bool = False,
   """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side m ≤ n).
 
   Standard: (4·m²·n + 2·m³) per step. Gram: see ``_gram_iterations``.
+
+  Examples:
+    >>> import optax_muon
+    >>> optax_muon.ns_flops(256, 1024, 5)  # 5·(4·256²·1024 + 2·256³)
+    1509949440
   """
   m, n = min(m, n), max(m, n)
   if not gram:

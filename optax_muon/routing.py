@@ -85,6 +85,13 @@ def route(params: Any, *, labels: Any = None, weight_dimension_numbers: Any = No
   Raises:
     ValueError: if ``labels`` or ``weight_dimension_numbers`` don't match the params, or a
       label is not ``"muon"``/``"adam"``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_muon
+    >>> params = {"lm_head": jnp.zeros((64, 256)), "w": jnp.zeros((64, 64)),
+    ...           "b": jnp.zeros(64)}
+    >>> [(r.path, r.label, r.reason) for r in optax_muon.route(params)]
+    [('b', 'adam', '1-D'), ('lm_head', 'adam', 'path matches embedding/head pattern'), ('w', 'muon', '2-D')]
   """
   positions, _ = tree_utils.flatten_positions(params)
   paths = [tree_utils.path_str(p) for p, _ in positions]

@@ -118,6 +118,15 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
   Raises:
     ValueError: if ``tx`` did not come from this package, or its routing does not fit
       ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_muon
+    >>> params = {"embed": jnp.zeros((256, 64)), "w": jnp.zeros((64, 256))}
+    >>> summary = optax_muon.summarize(params, optax_muon.muon(0.02))
+    >>> print(summary.rows[1].path, summary.rows[1].reason, summary.rows[1].scale)
+    w 2-D 2.0
+    >>> print(str(summary).splitlines()[-1])
+    1 leaves on Muon, 1 on AdamW; NS 0.016 GFLOP per step.
   """
   config = getattr(tx, "muon_config", None)
   if config is None:
