@@ -45,7 +45,7 @@ def test_default_routing_of_nnx_gpt():
   summary = om.summarize(params, tx)
   routes = {row.path: row for row in summary.rows}
   for path, row in routes.items():
-    name = path.removesuffix("/value")
+    name = path  # Flax's Variable ".value" steps are not part of the path
     if name in ("embed/embedding", "pos_embed", "lm_head/kernel"):
       assert row.optimizer == "adam" and "pattern" in row.reason, path
     elif name.endswith("kernel"):
@@ -55,7 +55,8 @@ def test_default_routing_of_nnx_gpt():
       assert row.optimizer == "adam" and row.reason == "1-D", path
   assert len(summary.by_optimizer("muon")) == 2 * 6
   text = str(summary)
-  assert "blocks/0/mlp_in/kernel/value" in text and "12 leaves on Muon" in text
+  assert "blocks/0/mlp_in/kernel " in text and "/value" not in text
+  assert "12 leaves on Muon" in text
 
 
 def test_summary_costs():
