@@ -148,7 +148,8 @@ def muon(
     Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_,
     2025.
 
-    DeepSeek-AI, `DeepSeek-V4 technical report`, 2026 (hybrid Newton–Schulz schedule).
+    DeepSeek-AI, `DeepSeek-V4 technical report`, 2026 (hybrid Newton–Schulz schedule:
+    ``ns_coeffs="deepseek_v4"``).
   """
   check_number("adam_b1", adam_b1, 0.0, 1.0)
   check_number("adam_b2", adam_b2, 0.0, 1.0)

@@ -94,7 +94,8 @@ def _fit_rows(rows: Sequence[Triple], steps: int) -> tuple[Triple, ...]:
 
 
 def _validate_steps(steps, what: str) -> int:
-  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+  if (isinstance(steps, bool) or not hasattr(steps, "__index__")
+      or getattr(steps, "ndim", 0) != 0 or steps < 1):
     raise ValueError(f"{what} must be a positive integer, got {steps!r}.")
   return int(steps)
 

@@ -154,6 +154,14 @@ def newton_schulz(x: jax.Array, ns_coeffs: CoefficientsLike = "jordan", *,
 
     Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application
     to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
+
+    Dao et al., `Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz Algorithm for
+    Muon <https://tridao.me/blog/2026/gram-newton-schulz/>`_, 2026 (iterating on X·Xᵀ,
+    with restarts).
+
+    Boissin et al., `Turbo-Muon <https://arxiv.org/abs/2512.04632>`_, 2025 (AOL);
+    Grishina et al., `Chebyshev-type polynomials for Newton-Schulz
+    <https://arxiv.org/abs/2506.10935>`_, 2025 (Schatten-4 scaling).
   """
   table = resolve_coefficients(ns_coeffs, ns_steps, eps)
   if x.ndim < 2:

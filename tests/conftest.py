@@ -13,6 +13,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
+# A script run in subprocesses by test_multihost.py (it sets its own device count): never
+# imported here, where --doctest-modules would otherwise import it.
+collect_ignore = ["multihost_worker.py"]
+
 
 
 @pytest.fixture
