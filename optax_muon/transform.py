@@ -203,9 +203,9 @@ def _directions(momentum: str, nesterov: bool, bias_correction: bool, beta, grad
   """New momentum, and the NS input as (n', s) with NS input n = s·n'.
 
   n' is a convex combination of the momentum and the gradient, so it is finite whenever
-  they are (a bias-corrected Nesterov input (1−β)·g/(1−β) reaches 20·g and overflows
-  float32 for |g| ≳ 1.7e37). NS does not see s (it is scale-invariant); ``adaptive``
-  does.
+  they are (the bias-corrected gradient g/(1−βᵗ) alone is 20·g at the first step with
+  β = 0.95, past float32's range for |g| ≳ 1.7e37). NS does not see s (it is
+  scale-invariant); ``adaptive`` does.
   """
   t = count.astype(jnp.float32)
   if momentum == "ema":
