@@ -106,12 +106,12 @@ def compiled_device_flops(cost, plan) -> np.ndarray:
 
 
 def fsdp_specs(params, axes):
-  """Every ≥2-D leaf split on its first matrix axis over ``axes`` (vectors replicated)."""
-  def spec(x):
-    if x.ndim == 1:
+  """Every matrix split on its first matrix axis over ``axes`` (norm scales replicated)."""
+  def spec(path, x):
+    if x.ndim == 1 or "norm" in path[-1].key:
       return P()
     return P(*(None,) * (x.ndim - 2), axes, None)
-  return jax.tree.map(spec, params)
+  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def moe_specs(params, expert: str, fsdp: str):
@@ -119,7 +119,7 @@ def moe_specs(params, expert: str, fsdp: str):
   def spec(path, x):
     if x.ndim == 4:
       return P(None, expert, fsdp, None)
-    if x.ndim == 1 or (x.ndim == 2 and path[0].key == "blocks"):
+    if x.ndim == 1 or "norm" in path[-1].key:
       return P()
     return P(*(None,) * (x.ndim - 2), (expert, fsdp), None)
   return jax.tree_util.tree_map_with_path(spec, params)
