@@ -20,7 +20,8 @@ mesh gives the same program for optax_muon). Per device, per step, from the comp
   from the HLO) ÷ LB = max(Σ_j c_j / N, max_j c_j), c_j the NS FLOPs of matrix j on one
   device; "LPT" is the same figure for a FLOPs-only longest-processing-time placement;
 * bytes: received bytes ÷ max(2(N−1)/N²·Σ_j b_j, (N−1)/N·max_j b_j + (N−1)/N²·Σ_j b_j),
-  b_j the matrix bytes;
+  b_j the matrix bytes; "chunks" is the least that equal-chunk all-to-alls of whole
+  matrices can reach, 2(N−1)/N·max(Σ_j b_j / N, max_j b_j), on the same scale;
 * temp: XLA's temp memory ÷ (per-device param bytes + max(Σ_j b_j / N, max_j b_j));
 * compile: seconds to lower and compile the update, and optax.contrib.muon's on the same
   tree and mesh.
@@ -164,7 +165,8 @@ def bounds(params, dims, n: int) -> dict:
   return {"flops": max(sum(flops) / n, max(flops)),
           "bytes": max(2 * (n - 1) / n**2 * total_b,
                        (n - 1) / n * max(sizes) + (n - 1) / n**2 * total_b),
-          "fair bytes": max(total_b / n, max(sizes))}
+          "fair bytes": max(total_b / n, max(sizes)),
+          "chunk min": 2 * (n - 1) / n * max(total_b / n, max(sizes))}
 
 
 def compile_update(tx, params, shardings, mesh):
@@ -202,7 +204,8 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
     param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(sharded))
     row.update(flops=row["flops"] / bound["flops"], bytes=cost.received_bytes / bound["bytes"],
                temp=cost.temp_bytes / (param_bytes + bound["fair bytes"]), compile=seconds,
-               collectives=len(cost.collectives), in_loops=cost.collectives_in_loops)
+               collectives=len(cost.collectives), in_loops=cost.collectives_in_loops,
+               chunks=bound["chunk min"] / bound["bytes"])
     if "lpt" in row:
       row["lpt"] /= bound["flops"]
     if contrib:
@@ -210,6 +213,25 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
       row["contrib compile"] = compile_update(anchor, params, shardings, mesh)[1]
     rows.append(row)
   return rows
+
+
+def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
+  """Step time of the two replica policies on replicated params (pure data parallel)."""
+  from single_device import alternate  # noqa: PLC0415  (only this table needs timing)
+  n = jax.device_count()
+  params = gpt_tree(d, layers)
+  mesh = jax.make_mesh((n,), ("dp",))
+  replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+  fns, args = {}, {}
+  with jax.set_mesh(mesh):
+    for policy in ("split", "redundant"):
+      tx = optax_muon.muon(0.02, replica_policy=policy)
+      fns[policy] = jax.jit(tx.update)
+      args[policy] = (replicated, jax.jit(tx.init)(replicated), replicated)
+    times = alternate(fns, args, repeats)
+    costs = {p: hlo_cost.analyze(fns[p].lower(*args[p]).compile(), n) for p in fns}
+  return [{"policy": p, "ms": times[p] * 1e3, "NS GFLOP/device": costs[p].dot_flops / 1e9,
+           "received MB/device": costs[p].received_bytes / 2**20} for p in fns]
 
 
 def _child(n: int, quick: bool, contrib: bool, pythonpath: str) -> list[dict]:
@@ -255,14 +277,20 @@ def main(argv=None) -> list[dict]:
     r["old bytes"] = old["bytes"] if old else float("nan")
     r["old temp"] = old["temp"] if old else float("nan")
   columns = ["tree", "mesh", "N", "old flops", "flops", "lpt", "old bytes", "bytes",
-             "old temp", "temp", "compile", "contrib compile"]
+             "chunks", "old temp", "temp", "compile", "contrib compile"]
   formats = {c: "{:.2f}×" for c in ("old flops", "flops", "lpt", "old bytes", "bytes",
-                                     "old temp", "temp")}
+                                     "chunks", "old temp", "temp")}
   formats.update({"compile": "{:.1f} s", "contrib compile": "{:.1f} s"})
   print("per device, per step: critical NS FLOPs ÷ LB (previous plan, balanced plan, "
         "FLOPs-only LPT), critical received bytes ÷ LB, temp ÷ (param shard + fair share), "
         "compile time of the update vs optax.contrib.muon's")
   print(table(rows, columns, formats))
+  d = 64 if args.quick else 256
+  policy_rows = replica_policy_timing(d, 4, 3 if args.quick else 7)
+  print(f"\nreplicated params (data parallel over {jax.device_count()} devices), d={d}, "
+        "4 layers: median step")
+  print(table(policy_rows, list(policy_rows[0]), {"ms": "{:.1f}", "NS GFLOP/device": "{:.3f}",
+                                                   "received MB/device": "{:.2f}"}))
   return rows
 
 
