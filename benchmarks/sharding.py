@@ -21,7 +21,9 @@ mesh gives the same program for optax_muon). Per device, per step, from the comp
   device; "LPT" is the same figure for a FLOPs-only longest-processing-time placement;
 * bytes: received bytes ÷ max(2(N−1)/N²·Σ_j b_j, (N−1)/N·max_j b_j + (N−1)/N²·Σ_j b_j),
   b_j the matrix bytes; "chunks" is the least that equal-chunk all-to-alls of whole
-  matrices can reach, 2(N−1)/N·max(Σ_j b_j / N, max_j b_j), on the same scale;
+  matrices can reach, 2(N−1)/N·max(Σ_j b_j / N, max_j b_j), on the same scale, and
+  "ragged" what ``jax.lax.ragged_all_to_all`` would receive with the same owners (from the
+  plan; XLA:CPU does not implement it);
 * temp: XLA's temp memory ÷ (per-device param bytes + max(Σ_j b_j / N, max_j b_j));
 * compile: seconds to lower and compile the update, and optax.contrib.muon's on the same
   tree and mesh.
@@ -198,6 +200,7 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
           [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves], plan.ns,
           exchange=plan.exchange, weigh_bytes=False)
       row["lpt"] = float(lpt.critical_ns_flops())
+      row["ragged"] = float(plan.device_received_bytes(ragged=True).max())
     else:  # the uniform plan: every device runs the same program
       row["flops"] = float(cost.dot_flops)
     bound = bounds(params, dims, n)
@@ -208,6 +211,7 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
                chunks=bound["chunk min"] / bound["bytes"])
     if "lpt" in row:
       row["lpt"] /= bound["flops"]
+      row["ragged"] /= bound["bytes"]
     if contrib:
       anchor = optax.contrib.muon(0.02, muon_weight_dimension_numbers=contrib_dims)
       row["contrib compile"] = compile_update(anchor, params, shardings, mesh)[1]
@@ -277,9 +281,9 @@ def main(argv=None) -> list[dict]:
     r["old bytes"] = old["bytes"] if old else float("nan")
     r["old temp"] = old["temp"] if old else float("nan")
   columns = ["tree", "mesh", "N", "old flops", "flops", "lpt", "old bytes", "bytes",
-             "chunks", "old temp", "temp", "compile", "contrib compile"]
+             "chunks", "ragged", "old temp", "temp", "compile", "contrib compile"]
   formats = {c: "{:.2f}×" for c in ("old flops", "flops", "lpt", "old bytes", "bytes",
-                                     "chunks", "old temp", "temp")}
+                                     "chunks", "ragged", "old temp", "temp")}
   formats.update({"compile": "{:.1f} s", "contrib compile": "{:.1f} s"})
   print("per device, per step: critical NS FLOPs ÷ LB (previous plan, balanced plan, "
         "FLOPs-only LPT), critical received bytes ÷ LB, temp ÷ (param shard + fair share), "

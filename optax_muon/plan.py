@@ -245,6 +245,39 @@ class Plan:
         loads = loads + flops[worker]
     return loads
 
+  def device_received_bytes(self, ragged: bool = False) -> np.ndarray:
+    """Bytes each device receives per step, as an array of the mesh's shape.
+
+    Args:
+      ragged: count only the pieces each device needs, as ``jax.lax.ragged_all_to_all``
+        would send them, instead of the equal chunks of ``jax.lax.all_to_all`` (which is
+        what runs: XLA:CPU does not implement the ragged collective).
+
+    Returns:
+      Per device: the all-to-all over X each way (chunks of the busiest worker's size from
+      each of the g − 1 peers), plus the all-gather of the replicas' results when they
+      split the work.
+    """
+    received = np.zeros([size for _, size in self.mesh_shape], np.float64)
+    for group in self.groups:
+      if group.workers == 1:
+        continue
+      worker = group.worker_of_devices(self.mesh_shape)
+      g, replicas = group.exchange_size, group.workers // group.exchange_size
+      for ex in group.exchanges:
+        wire = self.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
+        itemsize = np.dtype(wire).itemsize
+        # Elements one device sends each worker: its piece of every matrix the worker owns.
+        owned = np.array([sum(len(mine) * b.piece_size(g) for mine, b in zip(o, ex.buckets))
+                          for o in ex.owned], np.float64)
+        if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
+          per_worker = (g - 1) * owned + owned.sum() - owned
+        else:
+          chunk = ex.chunk(g)
+          per_worker = np.full(group.workers, (2 * (g - 1) + (replicas - 1) * g) * chunk)
+        received += itemsize * per_worker[worker]
+    return received
+
   def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
     """Per exchange with several programs (one ``lax.switch``): each program's NS FLOPs,
     and the program every device runs (an array of the mesh's shape)."""
@@ -322,7 +355,7 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
   for i, p in enumerate(placements):
     key = (p.exchange_axes, p.replica_axes, p.sharding is not None)
     group_members.setdefault(key, []).append(i)
-  shells = []  # (group fields, buckets, exchanges' buckets)
+  groups, units = [], []
   for (exchange_axes, replica_axes, sharded), members in group_members.items():
     by_kind: dict[tuple, list[int]] = {}
     for i in members:
@@ -334,78 +367,99 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
                ns.flops(*key[:2], key[2]))
         for key, idx in by_kind.items())
     r = size(replica_axes)
-    fields = (exchange_axes, replica_axes, size(exchange_axes), r,
-              replica_policy == "split" and r > 1, sharded, buckets)
-    units = [buckets] if exchange == "group" else [(b,) for b in buckets]
-    shells.append((fields, units))
-  owners = _balance(shells, mesh_shape, exchange == "bucket", weigh_bytes)
-  groups = []
-  for (fields, units), unit_owners in zip(shells, owners):
-    exchanges = tuple(_exchange(unit, owner, placements, _workers(fields))
-                      for unit, owner in zip(units, unit_owners))
-    groups.append(Group(*fields, exchanges))
+    groups.append(Group(exchange_axes, replica_axes, size(exchange_axes), r,
+                        replica_policy == "split" and r > 1, sharded, buckets, ()))
+    units.append([buckets] if exchange == "group" else [(b,) for b in buckets])
+  owners = _balance(groups, units, mesh_shape, exchange == "bucket", weigh_bytes)
+  groups = [dataclasses.replace(group, exchanges=tuple(
+      _exchange(unit, owner, placements, group.workers)
+      for unit, owner in zip(group_units, group_owners)))
+            for group, group_units, group_owners in zip(groups, units, owners)]
   return Plan(mesh_shape, tuple(placements), tuple(groups), ns, exchange, wire_dtype)
 
 
-def _workers(fields: tuple) -> int:
-  """Workers of a group from its fields (see ``Group.workers``)."""
-  _, _, g, r, split, _, _ = fields
-  return g * (r if split else 1)
+@dataclasses.dataclass
+class _Matrices:
+  """The matrices of one exchange while owners are being chosen.
+
+  Attributes:
+    worker: the worker index of every device (flattened mesh).
+    costs, elements, kinds: per local matrix (buckets concatenated): NS FLOPs, size, bucket.
+    caps: per bucket, the most matrices one worker may own.
+    owner: per local matrix, the chosen worker.
+    owned_elements: per worker, the elements it owns (its chunk).
+    counts: (workers, buckets) matrices owned.
+  """
+
+  worker: np.ndarray
+  costs: list[int]
+  elements: list[int]
+  kinds: list[int]
+  caps: list[float]
+  owner: list[int]
+  owned_elements: np.ndarray
+  counts: np.ndarray
+
+  @property
+  def fair_elements(self) -> float:
+    return max(sum(self.elements) / len(self.owned_elements), max(self.elements, default=1))
 
 
-def _balance(shells: list, mesh_shape: tuple, spread: bool, weigh_bytes: bool
-             ) -> list[list[list[int]]]:
+def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_shape: tuple,
+             spread: bool, weigh_bytes: bool) -> list[list[list[int]]]:
   """Owners of every local matrix of every exchange: LPT over the whole tree.
 
+  Matrices in decreasing order of NS FLOPs; each goes to the worker of its group whose
+  busiest device has the least load afterwards (a device's load sums over the groups).
+  With ``weigh_bytes`` a worker's score is max(load ÷ the FLOPs bound, owned elements ÷
+  the group's fair share), so that no owner's chunk grows far beyond the fair share.
+
   Args:
-    shells: per group, (its ``Group`` fields but the exchanges, its exchanges' buckets).
+    groups: the groups (without exchanges yet).
+    units: per group, the buckets of each of its exchanges.
     mesh_shape: the mesh.
     spread: cap each bucket at ⌈K / workers⌉ matrices per worker.
-    weigh_bytes: score a worker by max(FLOPs ÷ their bound, bytes ÷ theirs), not FLOPs only.
+    weigh_bytes: weigh the owned elements as well as the FLOPs.
 
   Returns:
     Per group, per exchange, the worker of each local matrix (buckets concatenated).
   """
-  sizes = [size for _, size in mesh_shape]
-  loads = np.zeros(math.prod(sizes), np.float64)
-  units, items = [], []
-  for k, (fields, exchanges) in enumerate(shells):
-    workers = _workers(fields)
-    group = Group(*fields, ())
+  loads = np.zeros(math.prod(size for _, size in mesh_shape), np.float64)
+  exchanges, items = [], []
+  for k, (group, group_units) in enumerate(zip(groups, units)):
     worker = group.worker_of_devices(mesh_shape).reshape(-1)
-    for e, buckets in enumerate(exchanges):
-      costs, elements, kinds = [], [], []
-      for b_index, b in enumerate(buckets):
-        costs += [b.flops] * b.matrices
-        elements += [b.shape[0] * b.shape[1]] * b.matrices
-        kinds += [b_index] * b.matrices
-      caps = [-(-b.matrices // workers) if spread else math.inf for b in buckets]
-      units.append(dict(group=k, worker=worker, workers=workers, costs=costs,
-                        elements=elements, kinds=kinds, caps=caps,
-                        owner=[0] * len(costs), bytes=np.zeros(workers),
-                        counts=np.zeros((workers, len(buckets))),
-                        fair_bytes=max(sum(elements) / workers, max(elements, default=0))))
-      items += [(-c, -elements[j], len(units) - 1, j) for j, c in enumerate(costs)]
-  total = sum(sum(u["costs"]) * loads.size / u["workers"] for u in units)
-  fair_flops = max([total / loads.size] + [max(u["costs"], default=0) for u in units])
-  for neg_cost, neg_elements, u_index, j in sorted(items):
-    u = units[u_index]
-    cost, elements, kind = -neg_cost, -neg_elements, u["kinds"][j]
-    worker_load = np.full(u["workers"], -np.inf)
-    np.maximum.at(worker_load, u["worker"], loads)
-    new_load, new_bytes = worker_load + cost, u["bytes"] + elements
-    score = new_load / max(fair_flops, 1)
+    for buckets in group_units:
+      m = _Matrices(worker, [], [], [], [], [], np.zeros(group.workers),
+                    np.zeros((group.workers, len(buckets))))
+      for kind, b in enumerate(buckets):
+        m.costs += [b.flops] * b.matrices
+        m.elements += [b.shape[0] * b.shape[1]] * b.matrices
+        m.kinds += [kind] * b.matrices
+        m.caps.append(-(-b.matrices // group.workers) if spread else math.inf)
+      m.owner = [0] * len(m.costs)
+      items += [(-c, -e, len(exchanges), j) for j, (c, e) in enumerate(zip(m.costs, m.elements))]
+      exchanges.append((k, m))
+  total = sum(sum(m.costs) * loads.size / len(m.owned_elements) for _, m in exchanges)
+  fair_flops = max([total / loads.size, 1] + [c for _, m in exchanges for c in m.costs])
+  for _, _, e, j in sorted(items):
+    m = exchanges[e][1]
+    workers = len(m.owned_elements)
+    busiest = np.full(workers, -np.inf)
+    np.maximum.at(busiest, m.worker, loads)
+    new_load = busiest + m.costs[j]
+    new_elements = m.owned_elements + m.elements[j]
+    score = new_load / fair_flops
     if weigh_bytes:
-      score = np.maximum(score, new_bytes / max(u["fair_bytes"], 1))
-    score[u["counts"][:, kind] >= u["caps"][kind]] = np.inf
-    w = int(np.lexsort((np.arange(u["workers"]), new_bytes, new_load, score))[0])
-    u["owner"][j] = w
-    u["bytes"][w] += elements
-    u["counts"][w, kind] += 1
-    loads[u["worker"] == w] += cost
-  out = [[] for _ in shells]
-  for u in units:
-    out[u["group"]].append(u["owner"])
+      score = np.maximum(score, new_elements / m.fair_elements)
+    score[m.counts[:, m.kinds[j]] >= m.caps[m.kinds[j]]] = np.inf
+    w = int(np.lexsort((np.arange(workers), new_elements, new_load, score))[0])
+    m.owner[j] = w
+    m.owned_elements[w] += m.elements[j]
+    m.counts[w, m.kinds[j]] += 1
+    loads[m.worker == w] += m.costs[j]
+  out = [[] for _ in groups]
+  for k, m in exchanges:
+    out[k].append(m.owner)
   return out
 
 

@@ -136,6 +136,7 @@ def test_sharded_equals_single_device(case, axis_type):
   plan = om.summarize(sharded_params, tx).plan
   cost = hlo_cost.analyze(compiled, 8)
   np.testing.assert_array_equal(compiled_device_flops(cost, plan), plan.device_ns_flops())
+  assert cost.received_bytes == plan.device_received_bytes().max()
   assert cost.collectives_in_loops == 0
 
 
@@ -399,7 +400,9 @@ def test_floors_at_scale_trees_on_eight_devices(tree):
                    plan.ns, weigh_bytes=False)
   assert (per_device.max() <= 1.1 * bound["flops"]
           or per_device.max() <= 1.05 * lpt.critical_ns_flops())
+  assert cost.received_bytes == plan.device_received_bytes().max()
   assert cost.received_bytes <= 1.45 * bound["bytes"]
+  assert plan.device_received_bytes(ragged=True).max() <= cost.received_bytes
   param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(sharded))
   assert cost.temp_bytes <= 3 * (param_bytes + bound["fair bytes"])
   assert cost.collectives_in_loops == 0
