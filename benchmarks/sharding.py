@@ -201,6 +201,7 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
           exchange=plan.exchange, weigh_bytes=False)
       row["lpt"] = float(lpt.critical_ns_flops())
       row["ragged"] = float(plan.device_received_bytes(ragged=True).max())
+      row["branches"] = sum(len(ex.programs) for g in plan.groups for ex in g.exchanges)
     else:  # the uniform plan: every device runs the same program
       row["flops"] = float(cost.dot_flops)
     bound = bounds(params, dims, n)
@@ -281,7 +282,7 @@ def main(argv=None) -> list[dict]:
     r["old bytes"] = old["bytes"] if old else float("nan")
     r["old temp"] = old["temp"] if old else float("nan")
   columns = ["tree", "mesh", "N", "old flops", "flops", "lpt", "old bytes", "bytes",
-             "chunks", "ragged", "old temp", "temp", "compile", "contrib compile"]
+             "chunks", "ragged", "old temp", "temp", "branches", "compile", "contrib compile"]
   formats = {c: "{:.2f}×" for c in ("old flops", "flops", "lpt", "old bytes", "bytes",
                                      "chunks", "ragged", "old temp", "temp")}
   formats.update({"compile": "{:.1f} s", "contrib compile": "{:.1f} s"})

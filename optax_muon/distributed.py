@@ -118,40 +118,29 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan,
   return out
 
 
-def _worker_rows(ex: Exchange, g: int) -> list[list[tuple[int, int]]]:
-  """Per worker, per bucket, (start, stop): its matrices' rows in the bucket's worker-order
-  stack; and equally the elements [start·L, stop·L) of its segment's bucket part."""
-  rows, starts = [], [0] * len(ex.buckets)
-  for owned in ex.owned:
-    rows.append([(starts[k], starts[k] + len(mine)) for k, mine in enumerate(owned)])
-    starts = [stop for _, stop in rows[-1]]
-  return rows
+def _buffer_index(ex: Exchange, g: int) -> np.ndarray:
+  """Where each element of the (workers, chunk) buffer comes from.
+
+  Row w holds this device's pieces of worker w's matrices, in the order its program runs
+  them, then padding. The index is into the buckets' stacks of local pieces (bucket order,
+  each (K, L) flattened, concatenated); padding points one past the end, at a zero.
+  """
+  starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
+  index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int32)
+  for w, owned in enumerate(ex.owned):
+    parts = [start + (np.asarray(mine, np.int64)[:, None] * b.piece_size(g)
+                      + np.arange(b.piece_size(g))).reshape(-1)
+             for mine, b, start in zip(owned, ex.buckets, starts)]
+    row = np.concatenate(parts)
+    index[w, :row.size] = row
+  return index
 
 
-def _pack(stacks: list[jax.Array], ex: Exchange, g: int, dtype) -> jax.Array:
-  """Per bucket (K, L) stacks in worker order → (workers, chunk): row w = worker w's pieces."""
-  chunk, parts = ex.chunk(g), []
-  for spans in _worker_rows(ex, g):
-    size = 0
-    for (start, stop), b, s in zip(spans, ex.buckets, stacks):
-      parts.append(s[start:stop].reshape(-1))
-      size += (stop - start) * b.piece_size(g)
-    parts.append(jnp.zeros((chunk - size,), dtype))
-  return jnp.concatenate(parts).reshape(len(ex.owned), chunk)
-
-
-def _unpack(buffer: jax.Array, ex: Exchange, g: int) -> list[jax.Array]:
-  """Inverse of ``_pack``: (workers, chunk) → per bucket, (K, L) in worker order."""
-  chunk, flat = ex.chunk(g), buffer.reshape(-1)
-  parts = [[] for _ in ex.buckets]
-  for w, spans in enumerate(_worker_rows(ex, g)):
-    offset = w * chunk
-    for k, ((start, stop), b) in enumerate(zip(spans, ex.buckets)):
-      size = (stop - start) * b.piece_size(g)
-      parts[k].append(flat[offset:offset + size])
-      offset += size
-  return [jnp.concatenate(p).reshape(b.matrices, b.piece_size(g))
-          for p, b in zip(parts, ex.buckets)]
+def _take_rows(x: jax.Array, order: np.ndarray) -> jax.Array:
+  """x[order] along axis 0; no gather when ``order`` is the identity."""
+  if np.array_equal(order, np.arange(len(order))):
+    return x
+  return jnp.take(x, order, axis=0)
 
 
 def _owner_program(ex: Exchange, group: Group, plan: Plan, program,
@@ -172,26 +161,25 @@ def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
               out: list) -> None:
   """Orthogonalizes the matrices of ``ex`` with one all-to-all each way; fills ``out``."""
   g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
-  dtype = jnp.result_type(*(blocks[i].dtype for b in ex.buckets for i in b.members))
-  wire = jnp.dtype(plan.wire_dtype or dtype)
-  # 1. Each bucket's local matrices (one piece each), in worker order.
-  order = [np.concatenate([np.asarray(owned[k], np.int64) for owned in ex.owned])
-           for k in range(len(ex.buckets))]
-  stacks = []
-  for b, o in zip(ex.buckets, order):
-    stacked = jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i])
-                               for i in b.members])  # (K, L)
-    stacks.append(jnp.take(stacked, o, axis=0))
-  if workers == 1:  # the trivial plan: every matrix whole, here
-    results = _run_program(ex.programs[0], ex, group, plan, [s[None] for s in stacks])
-    rows = [r[0] for r in results]  # (K, L) per bucket
+  # 1. Each bucket's local matrices, one piece each: (K, L).
+  stacks = [jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i]) for i in b.members])
+            for b in ex.buckets]
+  if workers == 1:  # the trivial plan: every matrix whole, here, in its program's order
+    order = [np.asarray(owned, np.int64) for owned in ex.owned[0]]
+    results = _run_program(ex.programs[0], ex, group, plan,
+                           [_take_rows(s, o)[None] for s, o in zip(stacks, order)])
+    rows = [_take_rows(r[0], np.argsort(o)) for r, o in zip(results, order)]
   else:
+    dtype = jnp.result_type(*(blocks[i].dtype for b in ex.buckets for i in b.members))
+    wire = jnp.dtype(plan.wire_dtype or dtype)
     replicas = workers // g
     rep = _index(group.replica_axes) if group.split else 0
+    index = _buffer_index(ex, g)  # (workers, chunk)
     # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
     # busiest worker's; replicas hold the same data, so each sends its own workers' only.
-    send = _pack([s.astype(wire) for s in stacks], ex, g, wire)  # (workers, chunk)
-    send = send.reshape(g, replicas, -1)
+    flat = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
+                           + [jnp.zeros((1,), wire)])
+    send = flat[index.reshape(g, replicas, -1)]  # (g, replicas, chunk)
     buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
     # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
     if g > 1:
@@ -209,15 +197,19 @@ def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
       buffer = _all_to_all(buffer, x_axes)
     if group.split:
       buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
-    rows = _unpack(buffer.reshape(workers, -1), ex, g)
-  # 6. Back to the buckets' own order and to the leaves' local blocks.
-  for b, o, r in zip(ex.buckets, order, rows):
-    pieces = jnp.take(r, np.argsort(o), axis=0)
+    # 6. Every piece back to its place in the stacks: the inverse of step 2's gather.
+    valid = index < flat.shape[0] - 1
+    inverse = np.empty(flat.shape[0] - 1, np.int32)
+    inverse[index[valid]] = np.flatnonzero(valid)
+    pieces = buffer.reshape(-1)[inverse]
+    starts = np.cumsum([0] + [s.size for s in stacks])
+    rows = [pieces[a:b].reshape(s.shape) for s, a, b in zip(stacks, starts[:-1], starts[1:])]
+  # 7. The leaves' local blocks.
+  for b, r in zip(ex.buckets, rows):
     start = 0
     for i in b.members:
       count = plan.leaves[i].local_batch
-      out[i] = _local_block(plan.leaves[i], pieces[start:start + count]).astype(
-          blocks[i].dtype)
+      out[i] = _local_block(plan.leaves[i], r[start:start + count]).astype(blocks[i].dtype)
       start += count
 
 
