@@ -362,10 +362,16 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
       layout = placements[i].layout
       key = canonical_shape(layout) + (np.dtype(layout.dtype),)
       by_kind.setdefault(key if ns.bucket else key + (i,), []).append(i)
-    buckets = tuple(
-        Bucket(key[:2], key[2], tuple(idx), sum(placements[i].local_batch for i in idx),
-               ns.flops(*key[:2], key[2]))
-        for key, idx in by_kind.items())
+    buckets = []
+    for key, idx in by_kind.items():
+      # Members sorted by how their pieces fit together, so that a worker's runs of one
+      # kind are contiguous in the stack (no reordering on a single device).
+      kinds = list(dict.fromkeys(placements[i].signature for i in idx))
+      idx = sorted(idx, key=lambda i: kinds.index(placements[i].signature))
+      buckets.append(Bucket(key[:2], key[2], tuple(idx),
+                            sum(placements[i].local_batch for i in idx),
+                            ns.flops(*key[:2], key[2])))
+    buckets = tuple(buckets)
     r = size(replica_axes)
     groups.append(Group(exchange_axes, replica_axes, size(exchange_axes), r,
                         replica_policy == "split" and r > 1, sharded, buckets, ()))
