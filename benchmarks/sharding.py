@@ -59,6 +59,8 @@ def _device_count(argv: list[str]) -> int:
   return 8
 
 
+# This process's device count, set before JAX starts (imported by the tests, JAX already
+# runs with theirs).
 if __name__ == "__main__" or "jax" not in sys.modules:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                              f"device_count={_device_count(sys.argv)}").strip()

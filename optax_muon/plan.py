@@ -65,6 +65,7 @@ class LeafPlacement:
 
   @property
   def dim_axes(self) -> tuple[tuple[str, ...], ...]:
+    """Per leaf dimension, the mesh axes splitting it (none without a sharding)."""
     if self.sharding is None:
       return ((),) * len(self.layout.shape)
     return self.sharding.dim_axes
