@@ -1,113 +1,245 @@
-"""Sharded Muon, read off the compiled update: optax_muon vs optax.contrib.muon.
+"""Sharded Muon at scale, read off the compiled update: the balanced plan vs the previous
+(uniform) plan, next to optax.contrib.muon's compile time.
 
-The trees are GPT-like: every block matrix on Muon, the embedding and head on AdamW (in
-both optimizers), Jordan coefficients, 5 NS steps, f32.
+Trees (``trees.py``; embedding and head on AdamW, every block matrix on Muon; Jordan, 5 NS
+steps, standard iteration, f32):
 
-For each model tree and mesh, compiles one optimizer update on 8 virtual CPU devices and
-reports, per device and from the compiled HLO (while-loop trip counts included):
-NS FLOPs ÷ ideal (Σ NS FLOPs of all matrices ÷ devices), received bytes ÷ the lower bound
-2·(N−1)/N²·(Muon matrix bytes, f32), the number of collectives (and how many sit inside
-loops), and temp memory ÷ per-device parameter bytes. optax.contrib.muon cannot compile
-on an Explicit mesh (ShardingTypeError): those rows say so.
+* GPT, 3 layers, per-layer leaves, d=256 (q, k, v, o: d × d; mlp: d × 4d, 4d × d), FSDP;
+* Llama-like, 12 layers stacked, d=256: grouped-query attention (8 query heads, 2 key/value
+  heads: k, v are d × d/4) and SwiGLU (ffn 704), FSDP;
+* MoE, 8 layers stacked, d=256: the same attention and a router (d × 8) FSDP over every
+  device, 8 SwiGLU experts per layer (ffn 256) on an expert axis × FSDP.
 
-  python benchmarks/sharding.py           # d=256 trees
-  python benchmarks/sharding.py --quick   # CI: d=64
+Device counts 8, 16 and 64, one process per count (the script re-launches itself with
+``--devices N``); FSDP over all N devices; the MoE mesh is expert × fsdp = 4 × 2, 8 × 2,
+8 × 8. Auto mesh with ``param_shardings`` (where optax.contrib.muon compiles; an Explicit
+mesh gives the same program for optax_muon). Per device, per step, from the compiled HLO:
+
+* NS FLOPs: the busiest device's dot FLOPs (a device running a ``lax.switch`` branch
+  costs that branch; the branch each device takes comes from the plan, and the branch FLOPs
+  from the HLO) ÷ LB = max(Σ_j c_j / N, max_j c_j), c_j the NS FLOPs of matrix j on one
+  device; "LPT" is the same figure for a FLOPs-only longest-processing-time placement;
+* bytes: received bytes ÷ max(2(N−1)/N²·Σ_j b_j, (N−1)/N·max_j b_j + (N−1)/N²·Σ_j b_j),
+  b_j the matrix bytes; "chunks" is the least that equal-chunk all-to-alls of whole
+  matrices can reach, 2(N−1)/N·max(Σ_j b_j / N, max_j b_j), on the same scale, and
+  "ragged" what ``jax.lax.ragged_all_to_all`` would receive with the same owners (from the
+  plan; XLA:CPU does not implement it);
+* temp: XLA's temp memory ÷ (per-device param bytes + max(Σ_j b_j / N, max_j b_j));
+* compile: seconds to lower and compile the update, and optax.contrib.muon's on the same
+  tree and mesh (caches cleared; the faster of two compiles each, alternating).
+
+The previous plan is measured from its own code: ``--baseline REV`` (default: the last
+commit with the uniform plan) is extracted with ``git archive`` and put first on the path
+of a second child process.
+
+  python benchmarks/sharding.py           # 8, 16, 64 devices, new and previous plan
+  python benchmarks/sharding.py --quick   # CI: 8 devices, small trees, new plan only
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import pathlib
+import subprocess
 import sys
+import tempfile
+import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BASELINE = "92a0eec"  # the last commit with the uniform plan
+COUNTS = (8, 16, 64)
+
+
+def _device_count(argv: list[str]) -> int:
+  if "--devices" in argv:
+    return int(argv[argv.index("--devices") + 1])
+  return 8
+
+
+# This process's device count, set before JAX starts (imported by the tests, JAX already
+# runs with theirs).
+if __name__ == "__main__" or "jax" not in sys.modules:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                             f"device_count={_device_count(sys.argv)}").strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
-from optax_muon import hlo_cost  # noqa: E402
-from optax_muon.orthogonalize import canonical_shape  # noqa: E402
-from optax_muon.layout import make_layout  # noqa: E402
 from single_device import table  # noqa: E402
-from trees import gpt_tree, muon_dims  # noqa: E402
+from trees import gpt_tree, llama_tree, moe_tree, muon_dims, stacked_dims  # noqa: E402
 
-N = 8
-
-
-def fsdp_specs(params, axis="fsdp"):
-  """Every leaf split on its first matrix axis over ``axis`` (vectors replicated)."""
-  def spec(x):
-    if x.ndim == 3:
-      return P(None, axis, None)
-    if x.ndim == 2:  # a matrix, or stacked per-layer vectors (L, d)
-      return P(axis) if x.shape[0] % N == 0 else P(None, axis)
-    return P()
-  return jax.tree.map(spec, params)
-
-
-def megatron_specs(params):
-  """FSDP × TP: column-parallel P(fsdp, tp), row-parallel (o, mlp_out) P(tp, fsdp)."""
-  def spec(path, x):
-    name = path[-1].key
-    if x.ndim == 1 or (x.ndim == 2 and x.shape[0] == x.shape[-1] and False):
-      return P()
-    lead = (None,) * (x.ndim - 2)
-    if x.ndim < 2:
-      return P()
-    if name in ("o", "mlp_out", "lm_head"):
-      return P(*lead, "tp", "fsdp")
-    return P(*lead, "fsdp", "tp")
-  return jax.tree_util.tree_map_with_path(spec, params)
-
-
-MESHES = {"FSDP-8": ((8,), ("fsdp",), fsdp_specs),
-          "FSDP-4×TP-2": ((4, 2), ("fsdp", "tp"), megatron_specs)}
-
+# The metrics always come from this checkout's HLO reader, also when optax_muon is the
+# baseline's.
+_spec = importlib.util.spec_from_file_location("hlo_cost_here", ROOT / "optax_muon/hlo_cost.py")
+hlo_cost = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hlo_cost)
 
 ADAM = ("embed", "lm_head")
 
 
-def muon_matrices(params):
-  dims = muon_dims(params, adam=ADAM)
-  out = []
-  for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(
-      dims, is_leaf=lambda v: v is None or isinstance(v, optax_muon.MuonDimensionNumbers))):
-    if d is not None:
-      layout = make_layout("", x, d)
-      out.append((layout.batch, *canonical_shape(layout)))
+def compiled_device_flops(cost, plan) -> np.ndarray:
+  """Each device's compiled NS FLOPs, as an array of the mesh's shape.
+
+  The HLO gives each ``lax.switch`` branch's FLOPs; the plan says which branch each device
+  takes. A conditional is matched to the plan's switch with the same branch FLOPs.
+
+  Raises:
+    ValueError: if the compiled conditionals don't match the plan's switches.
+  """
+  switches = plan.switches()
+  branches = [tuple(c.branch_flops) for c in cost.conditionals]
+  if sorted(branches) != sorted(flops for flops, _ in switches):
+    raise ValueError(f"compiled branches {branches} are not the plan's "
+                     f"{[flops for flops, _ in switches]}")
+  unmatched = list(switches)
+  choice = []
+  for flops in branches:
+    k = next(k for k, s in enumerate(unmatched) if s[0] == flops)
+    choice.append(unmatched.pop(k)[1])
+  shape = [size for _, size in plan.mesh_shape]
+  out = np.zeros(shape, np.int64)
+  for index in np.ndindex(*shape):
+    out[index] = cost.device_dot_flops([int(c[index]) for c in choice])
   return out
 
 
-def measure(name, tx, params, shardings, mesh) -> dict:
-  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
-  sharded = put(params)
+def fsdp_specs(params, axes):
+  """Every matrix split on its first matrix axis over ``axes`` (norm scales replicated)."""
+  def spec(path, x):
+    if x.ndim == 1 or "norm" in path[-1].key:
+      return P()
+    return P(*(None,) * (x.ndim - 2), axes, None)
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def moe_specs(params, expert: str, fsdp: str):
+  """Experts (L, E, n_in, n_out) over expert × fsdp; everything else FSDP over both."""
+  def spec(path, x):
+    if x.ndim == 4:
+      return P(None, expert, fsdp, None)
+    if x.ndim == 1 or "norm" in path[-1].key:
+      return P()
+    return P(*(None,) * (x.ndim - 2), (expert, fsdp), None)
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def trees(quick: bool) -> list[tuple]:
+  """(name, params, dims, contrib dims) of each benchmark tree."""
+  d = 64 if quick else 256
+  gpt = gpt_tree(d, 3)
+  llama = llama_tree(d, 4 if quick else 12, heads=8, kv_heads=2, ffn=704 * d // 256)
+  moe = moe_tree(d, 2 if quick else 8, heads=8, kv_heads=2, experts=8, expert_ffn=d)
+  return [(f"GPT d={d}, 3 layers", gpt, muon_dims(gpt, adam=ADAM),
+           muon_dims(gpt, adam=ADAM, contrib=True)),
+          (f"GQA+SwiGLU d={d}, {4 if quick else 12} layers", llama,
+           stacked_dims(llama, adam=ADAM), stacked_dims(llama, adam=ADAM, contrib=True)),
+          (f"MoE d={d}, {2 if quick else 8} layers, 8 experts", moe,
+           stacked_dims(moe, adam=ADAM), stacked_dims(moe, adam=ADAM, contrib=True))]
+
+
+def mesh_for(name: str, n: int):
+  """The tree's mesh (Auto axes) and its specs function."""
+  if name.startswith("MoE"):
+    expert = min(8, n // 2)
+    mesh = jax.make_mesh((expert, n // expert), ("expert", "fsdp"),
+                         axis_types=(AxisType.Auto,) * 2)
+    return mesh, lambda p: moe_specs(p, "expert", "fsdp"), f"expert {expert} × fsdp {n // expert}"
+  mesh = jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,))
+  return mesh, lambda p: fsdp_specs(p, "fsdp"), f"fsdp {n}"
+
+
+def bounds(params, dims, n: int) -> dict:
+  """The metrics' denominators for ``params`` on ``n`` devices (Jordan, 5 steps, f32)."""
+  flops, sizes = [], []
+  for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(
+      dims, is_leaf=lambda v: v is None or isinstance(v, optax_muon.MuonDimensionNumbers))):
+    if d is not None:
+      layout = optax_muon.layout.make_layout("", x, d)
+      m, k = sorted((layout.n_in, layout.n_out))
+      flops += [optax_muon.ns_flops(m, k, 5)] * layout.batch
+      sizes += [4 * m * k] * layout.batch
+  total_b = sum(sizes)
+  return {"flops": max(sum(flops) / n, max(flops)),
+          "bytes": max(2 * (n - 1) / n**2 * total_b,
+                       (n - 1) / n * max(sizes) + (n - 1) / n**2 * total_b),
+          "fair bytes": max(total_b / n, max(sizes)),
+          "chunk min": 2 * (n - 1) / n * max(total_b / n, max(sizes))}
+
+
+def compile_update(tx, params, shardings, mesh):
+  """(compiled update, seconds to lower and compile it, the sharded params)."""
+  sharded = jax.tree.map(jax.device_put, params, shardings)
   with jax.set_mesh(mesh):
-    try:
-      state = jax.jit(tx.init)(sharded)
-      compiled = jax.jit(tx.update).lower(sharded, state, sharded).compile()
-    except Exception as e:  # noqa: BLE001  (a row, not a crash: the anchor may not compile)
-      return {"optimizer": name, "error": f"{type(e).__name__}"}
-  cost = hlo_cost.analyze(compiled, N)
-  matrices = muon_matrices(params)
-  ideal = sum(b * optax_muon.ns_flops(m, n, 5) for b, m, n in matrices) / N
-  lower_bound = 2 * (N - 1) / N**2 * sum(4 * b * m * n for b, m, n in matrices)
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) / N
-  return {"optimizer": name, "flops": cost.dot_flops / ideal,
-          "bytes": cost.received_bytes / lower_bound, "collectives": len(cost.collectives),
-          "in loops": cost.collectives_in_loops, "temp": cost.temp_bytes / param_bytes}
+    state = jax.jit(tx.init)(sharded)
+    jax.clear_caches()
+    start = time.perf_counter()
+    compiled = jax.jit(tx.update).lower(sharded, state, sharded).compile()
+  return compiled, time.perf_counter() - start, sharded
+
+
+def compile_seconds(txs: dict, params, shardings, mesh, repeats: int) -> dict:
+  """Fastest of ``repeats`` compiles of each update, alternating between them."""
+  seconds = {name: [] for name in txs}
+  for _ in range(repeats):
+    for name, tx in txs.items():
+      seconds[name].append(compile_update(tx, params, shardings, mesh)[1])
+  return {name: min(s) for name, s in seconds.items()}
+
+
+def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
+  """The rows of this process's device count (optax_muon as importable here)."""
+  assert jax.device_count() == n, (jax.device_count(), n)
+  rows = []
+  for name, params, dims, contrib_dims in trees(quick):
+    mesh, specs_fn, mesh_name = mesh_for(name, n)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
+    tx = optax_muon.muon(0.02, muon_weight_dimension_numbers=dims, method="standard",
+                         param_shardings=shardings)
+    compiled, _, sharded = compile_update(tx, params, shardings, mesh)
+    cost = hlo_cost.analyze(compiled, n)
+    plan = optax_muon.summarize(sharded, tx).plan
+    row = {"tree": name, "mesh": mesh_name, "N": n}
+    if hasattr(plan, "switches"):  # the balanced plan: devices may run different branches
+      row["flops"] = float(compiled_device_flops(cost, plan).max())
+      lpt = optax_muon.plan.build_plan(
+          [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves], plan.ns,
+          exchange=plan.exchange, weigh_bytes=False)
+      row["lpt"] = float(lpt.critical_ns_flops())
+      row["ragged"] = float(plan.device_received_bytes(ragged=True).max())
+      row["branches"] = sum(len(ex.programs) for g in plan.groups for ex in g.exchanges)
+    else:  # the uniform plan: every device runs the same program
+      row["flops"] = float(cost.dot_flops)
+    bound = bounds(params, dims, n)
+    param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(sharded))
+    row.update(flops=row["flops"] / bound["flops"], bytes=cost.received_bytes / bound["bytes"],
+               temp=cost.temp_bytes / (param_bytes + bound["fair bytes"]),
+               collectives=len(cost.collectives), in_loops=cost.collectives_in_loops,
+               chunks=bound["chunk min"] / bound["bytes"])
+    if "lpt" in row:
+      row["lpt"] /= bound["flops"]
+      row["ragged"] /= bound["bytes"]
+    txs = {"compile": tx}
+    if contrib:
+      txs["contrib compile"] = optax.contrib.muon(0.02,
+                                                  muon_weight_dimension_numbers=contrib_dims)
+    row.update(compile_seconds(txs, params, shardings, mesh, 1 if quick else 2))
+    rows.append(row)
+  return rows
 
 
 def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
   """Step time of the two replica policies on replicated params (pure data parallel)."""
   from single_device import alternate  # noqa: PLC0415  (only this table needs timing)
+  n = jax.device_count()
   params = gpt_tree(d, layers)
-  mesh = jax.make_mesh((N,), ("dp",))
+  mesh = jax.make_mesh((n,), ("dp",))
   replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
   fns, args = {}, {}
   with jax.set_mesh(mesh):
@@ -116,60 +248,69 @@ def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
       fns[policy] = jax.jit(tx.update)
       args[policy] = (replicated, jax.jit(tx.init)(replicated), replicated)
     times = alternate(fns, args, repeats)
-    costs = {p: hlo_cost.analyze(fns[p].lower(*args[p]).compile(), N) for p in fns}
+    costs = {p: hlo_cost.analyze(fns[p].lower(*args[p]).compile(), n) for p in fns}
   return [{"policy": p, "ms": times[p] * 1e3, "NS GFLOP/device": costs[p].dot_flops / 1e9,
            "received MB/device": costs[p].received_bytes / 2**20} for p in fns]
+
+
+def _child(n: int, quick: bool, contrib: bool, pythonpath: str) -> list[dict]:
+  """``measure`` in a fresh process with ``n`` devices and ``pythonpath`` first."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  cmd = [sys.executable, __file__, "--devices", str(n)] + ["--quick"] * quick + (
+      [] if contrib else ["--no-contrib"])
+  out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--devices", type=int, help="measure in this process (child mode)")
+  parser.add_argument("--no-contrib", action="store_true")
+  parser.add_argument("--baseline", default=BASELINE,
+                      help="git revision of the previous plan; 'none' to skip")
+  parser.add_argument("--counts", default=",".join(map(str, COUNTS)))
   args = parser.parse_args(argv)
-  d = 64 if args.quick else 256
-  trees = [("per-layer, 4 layers", 4, False), ("stacked, 4 layers", 4, True),
-           ("per-layer, 3 layers", 3, False)]
+  if args.devices is not None:
+    rows = measure(args.devices, args.quick, not args.no_contrib)
+    print(json.dumps(rows))
+    return rows
   if args.quick:
-    trees = trees[:1] + trees[2:]
-  rows = []
-  for tree_name, layers, stacked in trees:
-    params = gpt_tree(d, layers, stacked=stacked)
-    dims = muon_dims(params, adam=ADAM)
-    for mesh_name, (shape, names, specs_fn) in MESHES.items():
-      specs = specs_fn(params)
-      for axis_type in (AxisType.Explicit, AxisType.Auto):
-        mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-        explicit = axis_type == AxisType.Explicit
-        given = None if explicit else shardings
-        candidates = {
-            "optax_muon": optax_muon.muon(0.02, muon_weight_dimension_numbers=dims,
-                                          method="standard", param_shardings=given),
-            "optax_muon, bf16 wire": optax_muon.muon(
-                0.02, muon_weight_dimension_numbers=dims, method="standard",
-                param_shardings=given, wire_dtype=jnp.bfloat16),
-            "optax_muon, one exchange": optax_muon.muon(
-                0.02, muon_weight_dimension_numbers=dims, method="standard",
-                param_shardings=given, exchange="group"),
-            "optax.contrib.muon": optax.contrib.muon(
-                0.02, muon_weight_dimension_numbers=muon_dims(params, contrib=True,
-                                                              adam=ADAM)),
-        }
-        for name, tx in candidates.items():
-          row = measure(name, tx, params, shardings, mesh)
-          row.update(tree=f"d={d}, {tree_name}", mesh=mesh_name,
-                     axes="Explicit" if explicit else "Auto")
-          rows.append(row)
+    rows = measure(8, True, True)
+    baseline = {}
+  else:
+    counts = [int(c) for c in args.counts.split(",")]
+    rows = [r for n in counts for r in _child(n, False, True, str(ROOT))]
+    baseline = {}
+    if args.baseline != "none":
+      with tempfile.TemporaryDirectory() as old:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline,
+                                  "optax_muon"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        baseline = {(r["tree"], r["N"]): r for n in counts
+                    for r in _child(n, False, False, old)}
   for r in rows:
-    if "error" in r:
-      r.update(flops=float("nan"), bytes=float("nan"), collectives=-1, temp=float("nan"))
-      r["in loops"] = r["error"]
-  columns = ["tree", "mesh", "axes", "optimizer", "flops", "bytes", "collectives", "in loops",
-             "temp"]
-  print("per device: NS FLOPs ÷ ideal, received bytes ÷ lower bound, collectives (in NS "
-        "loops), temp memory ÷ param bytes")
-  print(table(rows, columns, {"flops": "{:.2f}×", "bytes": "{:.2f}×", "temp": "{:.2f}×"}))
+    old = baseline.get((r["tree"], r["N"]))
+    r["old flops"] = old["flops"] if old else float("nan")
+    r["old bytes"] = old["bytes"] if old else float("nan")
+    r["old temp"] = old["temp"] if old else float("nan")
+    r["old compile"] = old["compile"] if old else float("nan")
+  columns = ["tree", "mesh", "N", "old flops", "flops", "lpt", "old bytes", "bytes",
+             "chunks", "ragged", "old temp", "temp", "branches", "old compile", "compile",
+             "contrib compile"]
+  formats = {c: "{:.2f}×" for c in ("old flops", "flops", "lpt", "old bytes", "bytes",
+                                     "chunks", "ragged", "old temp", "temp")}
+  formats["branches"] = "{}"
+  formats.update({c: "{:.1f} s" for c in ("old compile", "compile", "contrib compile")})
+  print("per device, per step: critical NS FLOPs ÷ LB (previous plan, balanced plan, "
+        "FLOPs-only LPT), critical received bytes ÷ LB, temp ÷ (param shard + fair share), "
+        "compile time of the update vs optax.contrib.muon's")
+  print(table(rows, columns, formats))
+  d = 64 if args.quick else 256
   policy_rows = replica_policy_timing(d, 4, 3 if args.quick else 7)
-  print(f"\nreplicated params (data parallel over {N} devices), d={d}, 4 layers: median step")
+  print(f"\nreplicated params (data parallel over {jax.device_count()} devices), d={d}, "
+        "4 layers: median step")
   print(table(policy_rows, list(policy_rows[0]), {"ms": "{:.1f}", "NS GFLOP/device": "{:.3f}",
                                                    "received MB/device": "{:.2f}"}))
   return rows

@@ -79,7 +79,7 @@ def muon(
     param_shardings: Any = None,
     replica_policy: str = "split",
     wire_dtype: jax.typing.DTypeLike | None = None,
-    exchange: str = "bucket",
+    exchange: str = "group",
 ) -> MuonTransformation:
   """Muon for the network's matrices, AdamW for the rest.
 

@@ -1,9 +1,9 @@
 """Executing a ``Plan``: whole matrices to their owners, Newton–Schulz there, and back.
 
-``orthogonalize_local`` is the per-device program (local blocks in, local blocks out,
-collectives by mesh-axis name); ``orthogonalize_sharded`` wraps it in ``jax.shard_map`` for
-jit-compiled (pjit) code. Inside a user's own ``shard_map`` the local program is called
-directly.
+The one way NS is run. ``orthogonalize`` takes every Muon leaf: the trivial group (leaves
+without shardings: one worker, no exchange) runs on the arrays as they are; the sharded
+groups run the per-device program (local blocks in, local blocks out, collectives by
+mesh-axis name) under ``jax.shard_map``, or directly inside a user's own ``shard_map``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon.orthogonalize import NSOptions
-from optax_muon.plan import Group, LeafPlacement, Plan
+from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program
 
 
 def _local_matrices(p: LeafPlacement, block: jax.Array) -> jax.Array:
@@ -37,7 +36,7 @@ def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array) -> 
   t = pieces.reshape(*(mesh[a] for a in x_axes), slots, *p.piece_shape)
   order = [len(x_axes)]
   for i, d in enumerate(p.matrix_dims):  # global index = (shard coordinates, local index)
-    order += [x_axes.index(a) for a in p.sharding.dim_axes[d]] + [len(x_axes) + 1 + i]
+    order += [x_axes.index(a) for a in p.dim_axes[d]] + [len(x_axes) + 1 + i]
   t = jnp.transpose(t, order).reshape(slots, *(p.layout.shape[d] for d in p.matrix_dims))
   grouped = p.reduction_positions + p.output_positions
   t = jnp.transpose(t, (0, *(1 + k for k in grouped)))
@@ -56,7 +55,7 @@ def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array) ->
   t = jnp.transpose(t, (0, *(1 + grouped.index(i) for i in range(len(dims)))))
   split_shape, position = [slots], {}
   for i, d in enumerate(dims):
-    for a in p.sharding.dim_axes[d]:
+    for a in p.dim_axes[d]:
       position[a] = len(split_shape)
       split_shape.append(mesh[a])
     position[i] = len(split_shape)
@@ -87,131 +86,189 @@ def _index(axes: tuple[str, ...]):
   return jax.lax.axis_index(axes) if axes else 0
 
 
-def _by_signature(group: Group, bucket, leaves, owner, slot_axis: int, build):
-  """Builds this device's slots, each with the piece layout of the matrix it holds.
-
-  A slot holds a matrix of one leaf, whose signature says how its pieces fit together.
-  Devices whose slots hold the same sequence of signatures run the same code; when devices
-  differ (a (d, 4d) and a (4d, d) matrix sharing a bucket), one ``lax.switch`` on this
-  device's index picks its sequence, so only the layouts it needs are built.
+def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan,
+                 pieces: list[jax.Array]) -> list[jax.Array]:
+  """NS of the matrices one worker owns.
 
   Args:
-    group, bucket, leaves: where the slots come from.
-    owner: this device's index along the exchange axes.
-    slot_axis: the slot axis of ``build``'s output.
-    build: ``(LeafPlacement, slot slice) -> array`` for the slots of that slice.
-
-  Returns:
-    All slots, concatenated along ``slot_axis``.
-  """
-  masks = group.owner_masks(bucket, leaves)
-  signatures = list(masks)
-  representative = [next(leaves[i] for i in bucket.members if leaves[i].signature == sig)
-                    for sig in signatures]
-  kind = np.zeros((group.exchange_size, bucket.slots), np.int32)  # padded slots: any kind
-  for k, sig in enumerate(signatures):
-    kind[masks[sig]] = k
-  rows = sorted({tuple(row) for row in kind.tolist()})
-
-  def build_row(row):
-    parts, start = [], 0
-    for stop in range(1, len(row) + 1):  # consecutive slots of one kind: one slice
-      if stop == len(row) or row[stop] != row[start]:
-        parts.append(build(representative[row[start]], slice(start, stop)))
-        start = stop
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=slot_axis)
-
-  if len(rows) == 1:
-    return build_row(rows[0])
-  which = np.array([rows.index(tuple(row)) for row in kind.tolist()], np.int32)
-  return jax.lax.switch(jnp.asarray(which)[owner],
-                        [functools.partial(build_row, row) for row in rows])
-
-
-def _run_ns(group: Group, bucket, x: jax.Array, ns: NSOptions) -> jax.Array:
-  """NS on the owner's (S, m, n) slots; replicas split them with the split policy."""
-  if not group.split:
-    return ns.run(x)
-  per_replica = bucket.replica_slots
-  padded = jnp.pad(x, ((0, per_replica * group.replica_size - x.shape[0]), (0, 0), (0, 0)))
-  mine = jax.lax.dynamic_slice_in_dim(padded, _index(group.replica_axes) * per_replica,
-                                      per_replica, axis=0)
-  gathered = jax.lax.all_gather(ns.run(mine), group.replica_axes, axis=0, tiled=True)
-  return gathered[:x.shape[0]]
-
-
-def orthogonalize_local(blocks: list[jax.Array], plan: Plan) -> list[jax.Array]:
-  """The per-device program: NS of every matrix of every leaf, each on one owner.
-
-  Args:
-    blocks: this device's local block of each Muon leaf (``plan.leaves`` order).
+    program: the worker's program.
+    ex: its exchange.
+    group: its group.
     plan: the plan.
+    pieces: per bucket, (g, n, L): the g pieces of each of the worker's n matrices.
 
   Returns:
-    The local blocks of the orthogonalized leaves.
+    Per bucket, (g, n, L): the pieces of the orthogonalized matrices, in ``pieces``' dtype.
   """
-  out: list[jax.Array | None] = [None] * len(blocks)
-  for group in plan.groups:
-    units = [group.buckets] if plan.exchange == "group" else [(b,) for b in group.buckets]
-    for buckets in units:
-      _exchange(blocks, plan, group, buckets, out)
+  mesh = dict(plan.mesh_shape)
+  out = []
+  for runs, bucket, x in zip(program, ex.buckets, pieces):
+    if not runs:
+      out.append(x)
+      continue
+    starts = np.cumsum([0] + [count for _, count in runs])
+    # Casts between wire and compute dtype sit inside the layout code so that they fuse.
+    mats = jnp.concatenate([
+        _assemble(plan.leaves[i], group, mesh, x[:, a:b].astype(bucket.dtype))
+        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])])  # (n, m, n')
+    result = plan.ns.run(mats)
+    out.append(jnp.concatenate([
+        _disassemble(plan.leaves[i], group, mesh, result[a:b]).astype(x.dtype)
+        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])], axis=1))
   return out
 
 
-def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, buckets: tuple,
+def _buffer_index(ex: Exchange, g: int) -> np.ndarray:
+  """Where each element of the (workers, chunk) buffer comes from.
+
+  Row w holds this device's pieces of worker w's matrices, in the order its program runs
+  them, then padding. The index is into the buckets' stacks of local pieces (bucket order,
+  each (K, L) flattened, concatenated); padding points one past the end, at a zero.
+  """
+  starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
+  index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int32)
+  for w, owned in enumerate(ex.owned):
+    parts = [start + (np.asarray(mine, np.int64)[:, None] * b.piece_size(g)
+                      + np.arange(b.piece_size(g))).reshape(-1)
+             for mine, b, start in zip(owned, ex.buckets, starts)]
+    row = np.concatenate(parts)
+    index[w, :row.size] = row
+  return index
+
+
+def _take_rows(x: jax.Array, order: np.ndarray) -> jax.Array:
+  """x[order] along axis 0; no gather when ``order`` is the identity."""
+  if np.array_equal(order, np.arange(len(order))):
+    return x
+  return jnp.take(x, order, axis=0)
+
+
+def _owner_program(ex: Exchange, group: Group, plan: Plan, program,
+                   received: jax.Array) -> jax.Array:
+  """One worker's branch: (g, chunk) received pieces → (g, chunk) pieces of the results."""
+  g, offset, pieces = group.exchange_size, 0, []
+  for runs, b in zip(program, ex.buckets):
+    n = sum(count for _, count in runs)
+    size = n * b.piece_size(g)
+    pieces.append(received[:, offset:offset + size].reshape(g, n, b.piece_size(g)))
+    offset += size
+  results = _run_program(program, ex, group, plan, pieces)
+  reply = jnp.concatenate([r.reshape(g, -1) for r in results], axis=1)
+  return jnp.pad(reply, ((0, 0), (0, received.shape[1] - reply.shape[1])))
+
+
+def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
               out: list) -> None:
-  """Orthogonalizes ``buckets`` of ``group`` with one all-to-all each way; fills ``out``."""
-  mesh = dict(plan.mesh_shape)
-  g, x_axes = group.exchange_size, group.exchange_axes
-  dtype = jnp.result_type(*(blocks[i].dtype for b in buckets for i in b.members))
-  wire = jnp.dtype(plan.wire_dtype or dtype)
-  # 1. Pieces of every local matrix, in slot order: matrix j → device j // S, slot j % S.
-  sends = []
-  for b in buckets:
-    stacked = jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i])
-                               for i in b.members]).astype(wire)  # (K, L)
-    stacked = jnp.pad(stacked, ((0, g * b.slots - b.matrices), (0, 0)))
-    sends.append(stacked.reshape(g, -1))
-  sizes = [s.shape[1] for s in sends]
-  buffer = jnp.concatenate(sends, axis=1)  # (g, Σ S·L)
-  # 2. All-to-all over X: each device receives the pieces of the matrices it owns.
-  if g > 1:
-    buffer = _all_to_all(buffer, x_axes)
-  owner = _index(x_axes)
-  replies = []
-  for b, chunk in zip(buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
-    pieces = chunk.reshape(g, b.slots, -1)
-    # 3. Whole matrices, NS (split over replicas or not), and pieces again; the casts
-    # between wire and compute dtype sit inside the layout code so that they fuse.
-    mats = _by_signature(
-        group, b, plan.leaves, owner, 0,
-        lambda p, slots: _assemble(p, group, mesh, pieces[:, slots].astype(dtype)))
-    result = _run_ns(group, b, mats, plan.ns)
-    reply = _by_signature(
-        group, b, plan.leaves, owner, 1,
-        lambda p, slots: _disassemble(p, group, mesh, result[slots]).astype(wire))
-    replies.append(reply.reshape(g, -1))
-  # 4. All-to-all back: each device receives its pieces of every local matrix.
-  buffer = jnp.concatenate(replies, axis=1)
-  if g > 1:
-    buffer = _all_to_all(buffer, x_axes)
-  for b, chunk in zip(buckets, jnp.split(buffer, np.cumsum(sizes)[:-1], axis=1)):
-    pieces = chunk.reshape(g * b.slots, -1)[:b.matrices]
+  """Orthogonalizes the matrices of ``ex`` with one all-to-all each way; fills ``out``."""
+  g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
+  # 1. Each bucket's local matrices, one piece each: (K, L).
+  stacks = [jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i]) for i in b.members])
+            for b in ex.buckets]
+  if workers == 1:  # the trivial plan: every matrix whole, here, in its program's order
+    order = [np.asarray(owned, np.int64) for owned in ex.owned[0]]
+    results = _run_program(ex.programs[0], ex, group, plan,
+                           [_take_rows(s, o)[None] for s, o in zip(stacks, order)])
+    rows = [_take_rows(r[0], np.argsort(o)) for r, o in zip(results, order)]
+  else:
+    dtype = jnp.result_type(*(blocks[i].dtype for b in ex.buckets for i in b.members))
+    wire = jnp.dtype(plan.wire_dtype or dtype)
+    replicas = workers // g
+    rep = _index(group.replica_axes) if group.split else 0
+    index = _buffer_index(ex, g)  # (workers, chunk)
+    # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
+    # busiest worker's; replicas hold the same data, so each sends its own workers' only.
+    flat = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
+                           + [jnp.zeros((1,), wire)])
+    send = flat[index.reshape(g, replicas, -1)]  # (g, replicas, chunk)
+    buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
+    # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
+    if g > 1:
+      buffer = _all_to_all(buffer, x_axes)
+    # 4. Whole matrices, NS, pieces again: each distinct program is one switch branch.
+    branches = [functools.partial(_owner_program, ex, group, plan, p) for p in ex.programs]
+    if len(branches) == 1:
+      buffer = branches[0](buffer)
+    else:
+      worker = _index(x_axes) * replicas + rep
+      buffer = jax.lax.switch(jnp.asarray(ex.program_of, np.int32)[worker], branches, buffer)
+    # 5. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
+    # replicas' results are all-gathered.
+    if g > 1:
+      buffer = _all_to_all(buffer, x_axes)
+    if group.split:
+      buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
+    # 6. Every piece back to its place in the stacks: the inverse of step 2's gather.
+    valid = index < flat.shape[0] - 1
+    inverse = np.empty(flat.shape[0] - 1, np.int32)
+    inverse[index[valid]] = np.flatnonzero(valid)
+    pieces = buffer.reshape(-1)[inverse]
+    starts = np.cumsum([0] + [s.size for s in stacks])
+    rows = [pieces[a:b].reshape(s.shape) for s, a, b in zip(stacks, starts[:-1], starts[1:])]
+  # 7. The leaves' local blocks.
+  for b, r in zip(ex.buckets, rows):
     start = 0
     for i in b.members:
       count = plan.leaves[i].local_batch
-      out[i] = _local_block(plan.leaves[i], pieces[start:start + count]).astype(
-          blocks[i].dtype)
+      out[i] = _local_block(plan.leaves[i], r[start:start + count]).astype(blocks[i].dtype)
       start += count
 
 
-def orthogonalize_sharded(leaves: list[jax.Array], plan: Plan) -> list[jax.Array]:
-  """``orthogonalize_local`` under ``jax.shard_map`` over the plan's mesh, for jit code."""
-  mesh = plan.leaves[0].sharding.mesh
-  specs = tuple(p.sharding.spec for p in plan.leaves)
-  body = lambda *blocks: tuple(orthogonalize_local(list(blocks), plan))
-  # check_vma=False: an all-gather's result is the same on every replica (as the out_specs
-  # say), but JAX's type system marks it as varying.
-  return list(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs,
-                            check_vma=False)(*leaves))
+def orthogonalize_local(blocks: list[jax.Array], plan: Plan, groups: list[Group]
+                        ) -> list[jax.Array | None]:
+  """The per-device program of ``groups``.
 
+  Args:
+    blocks: this device's local block of each Muon leaf (``plan.leaves`` order); only
+      those of ``groups`` are read.
+    plan: the plan.
+    groups: the groups to run.
+
+  Returns:
+    The local blocks of the orthogonalized leaves of ``groups``, None for the others.
+  """
+  out: list[jax.Array | None] = [None] * len(blocks)
+  for group in groups:
+    for ex in group.exchanges:
+      _exchange(blocks, plan, group, ex, out)
+  return out
+
+
+def orthogonalize(xs: list[jax.Array], plan: Plan, manual: bool) -> list[jax.Array]:
+  """NS of every matrix of every Muon leaf, by the plan.
+
+  Args:
+    xs: the NS inputs, ``plan.leaves`` order: global arrays, or local blocks when
+      ``manual``.
+    plan: the plan.
+    manual: inside a ``shard_map`` (collectives by axis name on local blocks).
+
+  Returns:
+    The orthogonalized leaves (or local blocks), same shapes and dtypes as ``xs``.
+  """
+  trivial = [g for g in plan.groups if not g.sharded]
+  sharded = [g for g in plan.groups if g.sharded]
+  out = orthogonalize_local(xs, plan, trivial)
+  if sharded and manual:
+    done = orthogonalize_local(xs, plan, sharded)
+  elif sharded:
+    index = [i for g in sharded for b in g.buckets for i in b.members]
+    mesh = plan.leaves[index[0]].sharding.mesh
+    specs = tuple(plan.leaves[i].sharding.spec for i in index)
+
+    def body(*blocks):
+      local = [None] * len(xs)
+      for i, block in zip(index, blocks):
+        local[i] = block
+      result = orthogonalize_local(local, plan, sharded)
+      return tuple(result[i] for i in index)
+
+    # check_vma=False: an all-gather's result is the same on every replica (as the
+    # out_specs say), but JAX's type system marks it as varying.
+    results = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs,
+                            check_vma=False)(*(xs[i] for i in index))
+    done = [None] * len(xs)
+    for i, y in zip(index, results):
+      done[i] = y
+  else:
+    done = out
+  return [a if a is not None else b for a, b in zip(out, done)]

@@ -2,7 +2,9 @@
 
 XLA's own ``cost_analysis`` counts a while-loop body once; here every instruction is
 weighted by the trip counts of the loops around it (``known_trip_count``), so an NS loop of
-5 steps counts 5 times. Received bytes follow the ring model of ``shared/notes/muon.md``:
+5 steps counts 5 times. A device runs one branch of a conditional (``lax.switch``): the
+FLOPs count its most expensive branch, and each branch's FLOPs are kept so that a caller
+who knows which device takes which branch gets every device's figure. Received bytes follow the ring model of ``shared/notes/muon.md``:
 all-gather and all-to-all B·(g−1)/g, reduce-scatter B·(g−1), all-reduce 2·B·(g−1)/g,
 collective-permute B, with B the output bytes and g the group size.
 """
@@ -20,7 +22,9 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
-_CALLEE = re.compile(r"\b(?:calls|body|to_apply|branch_computations|condition)=\{?%?([\w.\-]+)")
+_CALLEE = re.compile(r"\b(?:calls|body|to_apply|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+))")
 _COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
                 "collective-permute")
 
@@ -65,18 +69,36 @@ class Collective:
 
 
 @dataclasses.dataclass
+class Conditional:
+  """One conditional: the dot FLOPs of each branch (in branch order), and how often it runs."""
+
+  branch_flops: tuple[int, ...]
+  multiplicity: int
+
+
+@dataclasses.dataclass
 class HloCost:
   """Per-device figures of one compiled program.
 
   Attributes:
-    dot_flops: 2·|out|·|contracted| summed over dot instructions, times loop trip counts.
+    dot_flops: 2·|out|·|contracted| summed over dot instructions, times loop trip counts;
+      a conditional counts its most expensive branch.
     collectives: every collective instruction.
     temp_bytes: XLA's temp allocation (``memory_analysis().temp_size_in_bytes``).
+    conditionals: every conditional that holds dots, outermost ones only.
   """
 
   dot_flops: int
   collectives: list[Collective]
   temp_bytes: int
+  conditionals: list[Conditional] = dataclasses.field(default_factory=list)
+
+  def device_dot_flops(self, branches: list[int]) -> int:
+    """Dot FLOPs of a device that takes branch ``branches[k]`` of conditional k."""
+    flops = self.dot_flops
+    for c, b in zip(self.conditionals, branches, strict=True):
+      flops += (c.branch_flops[b] - max(c.branch_flops)) * c.multiplicity
+    return flops
 
   @property
   def received_bytes(self) -> float:
@@ -113,8 +135,17 @@ def analyze(compiled, device_count: int) -> HloCost:
   # Multiplicity of each computation: product of trip counts of the loops that reach it.
   multiplicity: dict[str, int] = defaultdict(int)
   in_loop: dict[str, bool] = defaultdict(bool)
+  conditionals: list[Conditional] = []
 
-  def visit(name: str, times: int, looped: bool) -> None:
+  def branches(line: str) -> list[str]:
+    match = _BRANCHES.search(line)
+    if not match:
+      return []
+    if match.group(1) is not None:
+      return [b.strip().lstrip("%") for b in match.group(1).split(",")]
+    return [match.group(2), match.group(3)]
+
+  def visit(name: str, times: int, looped: bool, top: bool) -> None:
     multiplicity[name] += times
     in_loop[name] = in_loop[name] or looped
     for line in computations.get(name, []):
@@ -124,21 +155,28 @@ def analyze(compiled, device_count: int) -> HloCost:
       if inst.group(3) == "while":
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-        visit(body, times * (int(trips.group(1)) if trips else 1), True)
+        visit(body, times * (int(trips.group(1)) if trips else 1), True, top)
+        continue
+      if inst.group(3) == "conditional":
+        names = branches(line)
+        flops = tuple(dot_flops(b) for b in names)
+        if top and any(flops):
+          conditionals.append(Conditional(flops, times))
+        for b in names:
+          visit(b, times, looped, False)
         continue
       for callee in _CALLEE.findall(line):
         if callee in computations:
-          visit(callee, times, looped)
+          visit(callee, times, looped, top)
 
-  visit(entry, 1, False)
+  memo: dict[str, int] = {}
 
-  flops, collectives = 0, []
-  for name, lines in computations.items():
-    times = multiplicity.get(name, 0)
-    if not times:
-      continue
-    shapes = {}
-    for line in lines:
+  def dot_flops(name: str) -> int:
+    """Dot FLOPs of one run of computation ``name`` (loops, calls, costliest branch)."""
+    if name in memo:
+      return memo[name]
+    total, shapes = 0, {}
+    for line in computations.get(name, []):
       inst = _INSTRUCTION.match(line)
       if not inst:
         continue
@@ -149,10 +187,34 @@ def analyze(compiled, device_count: int) -> HloCost:
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
         lhs_dims = _dims(shapes.get(lhs, ""))
         contracted = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
-        flops += times * 2 * math.prod(_dims(type_text)) * contracted
+        total += 2 * math.prod(_dims(type_text)) * contracted
+      elif opcode == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+        body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
+        total += (int(trips.group(1)) if trips else 1) * dot_flops(body)
+      elif opcode == "conditional":
+        total += max(dot_flops(b) for b in branches(line))
+      else:
+        total += sum(dot_flops(c) for c in _CALLEE.findall(line) if c in computations)
+    memo[name] = total
+    return total
+
+  visit(entry, 1, False, True)
+
+  collectives = []
+  for name, lines in computations.items():
+    times = multiplicity.get(name, 0)
+    if not times:
+      continue
+    for line in lines:
+      inst = _INSTRUCTION.match(line)
+      if not inst:
+        continue
+      _, type_text, opcode, _ = inst.groups()
       base = opcode.removesuffix("-start")
       if base in _COLLECTIVES and not opcode.endswith("-done"):
         collectives.append(Collective(base, _array_bytes(type_text),
                                       _group_size(line, device_count), times, in_loop[name]))
   memory = compiled.memory_analysis()
-  return HloCost(flops, collectives, int(getattr(memory, "temp_size_in_bytes", 0)))
+  return HloCost(dot_flops(entry), collectives,
+                 int(getattr(memory, "temp_size_in_bytes", 0)), conditionals)

@@ -1,8 +1,10 @@
-"""Orthogonalizing many leaves at once: same-shape matrices share one batched NS call."""
+"""How Newton–Schulz runs on each matrix: the options and the canonical orientation.
+
+Read by the plan (the FLOPs of each matrix) and by the executor (``NSOptions.run``).
+"""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import jax
@@ -58,45 +60,3 @@ class NSOptions:
 def canonical_shape(layout: MatrixLayout) -> tuple[int, int]:
   """The (m, n) matrix NS iterates on: short side first."""
   return min(layout.n_in, layout.n_out), max(layout.n_in, layout.n_out)
-
-
-def _to_canonical(layout: MatrixLayout, x: jax.Array) -> jax.Array:
-  x = layout.to_matrices(x)
-  return jnp.swapaxes(x, -1, -2) if layout.n_in > layout.n_out else x
-
-
-def _from_canonical(layout: MatrixLayout, y: jax.Array) -> jax.Array:
-  if layout.n_in > layout.n_out:
-    y = jnp.swapaxes(y, -1, -2)
-  return layout.from_matrices(y)
-
-
-def orthogonalize(leaves: list[jax.Array], layouts: list[MatrixLayout],
-                  options: NSOptions) -> list[jax.Array]:
-  """Applies Newton–Schulz to every matrix of every leaf.
-
-  Args:
-    leaves: arrays, one per layout, each of its layout's shape.
-    layouts: how each leaf splits into matrices.
-    options: the NS configuration.
-
-  Returns:
-    The orthogonalized leaves, same shapes and dtypes as ``leaves``.
-  """
-  if not options.bucket:
-    return [layout.from_matrices(options.run(layout.to_matrices(x)))
-            for x, layout in zip(leaves, layouts)]
-
-  buckets = collections.defaultdict(list)  # (m, n, dtype) -> leaf indices
-  for i, (x, layout) in enumerate(zip(leaves, layouts)):
-    buckets[canonical_shape(layout) + (jnp.dtype(x.dtype),)].append(i)
-  out = [None] * len(leaves)
-  for indices in buckets.values():
-    stacked = jnp.concatenate([_to_canonical(layouts[i], leaves[i]) for i in indices])
-    result = options.run(stacked)  # (Σ batch, m, n)
-    offsets = [0]
-    for i in indices:
-      offsets.append(offsets[-1] + layouts[i].batch)
-    for i, start, stop in zip(indices, offsets[:-1], offsets[1:]):
-      out[i] = _from_canonical(layouts[i], result[start:stop])
-  return out

@@ -4,18 +4,25 @@ Pure Python at trace time, from the Muon leaves' layouts and shardings. Per leaf
 axes fall into three sets:
 
 * exchange axes X: they split the leaf's matrix dimensions. The devices along X each hold a
-  piece of every local matrix; an all-to-all over X gives each of them whole matrices.
+  piece of every local matrix; an all-to-all over X gives each owner whole matrices.
 * batch axes B: they split the leaf's batch (stack/expert/head) dimensions. Devices along B
   hold different matrices and never talk about this leaf.
 * replica axes R: everything else. Devices along R hold the same data; with the "split"
   policy they share the NS work and all-gather the results, with "redundant" each computes
   everything.
 
-Leaves with the same (X, R) form a group; all matrices of a group move in one all-to-all
-each way. Within a group, same-shape matrices (canonical orientation, m ≤ n) form a bucket;
-the bucket's K local matrices fill S = ⌈K/g⌉ slots on each of the g devices along X
-(matrix j → device j // S, slot j % S), and with the split policy each of the r replicas
-takes ⌈S/r⌉ of those slots. Every device runs the same slots: the padding is the only waste.
+Leaves with the same (X, R) form a group; a leaf without sharding information is a group of
+its own kind, the trivial one: one device, no exchange. Within a group, same-shape matrices
+(canonical orientation, m ≤ n) of one dtype form a bucket, run as one batched NS call per
+device. The group's workers are its devices along X, times those along R with the split
+policy; every local matrix gets one worker as its owner.
+
+Owners are chosen for the whole tree at once, longest processing time first: matrices in
+decreasing order of their NS FLOPs c_j, each to the worker whose devices end up least loaded
+(a device's load sums over all groups, so a device idle in one group takes more work in
+another), weighing the bytes the worker receives as well, because an all-to-all sends equal
+chunks sized by the busiest owner. Workers owning the same sequence of matrix kinds run the
+same program; distinct programs are the branches of one ``lax.switch`` on the worker index.
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ class LeafPlacement:
 
   Attributes:
     layout: the global matrix layout.
-    sharding: how the leaf lies on the mesh.
+    sharding: how the leaf lies on the mesh; ``None`` for a leaf without sharding
+      information (the trivial plan: its global array is its local block).
     exchange_axes: X, in mesh order.
     replica_axes: R, in mesh order.
   """
 
   layout: MatrixLayout
-  sharding: LeafSharding
+  sharding: LeafSharding | None
   exchange_axes: tuple[str, ...]
   replica_axes: tuple[str, ...]
 
@@ -56,7 +64,16 @@ class LeafPlacement:
     return tuple(sorted(self.layout.reduction_axes + self.layout.output_axes))
 
   @property
+  def dim_axes(self) -> tuple[tuple[str, ...], ...]:
+    """Per leaf dimension, the mesh axes splitting it (none without a sharding)."""
+    if self.sharding is None:
+      return ((),) * len(self.layout.shape)
+    return self.sharding.dim_axes
+
+  @property
   def local_shape(self) -> tuple[int, ...]:
+    if self.sharding is None:
+      return self.layout.shape
     return self.sharding.local_shape(self.layout.shape)
 
   @property
@@ -72,7 +89,7 @@ class LeafPlacement:
   def signature(self) -> tuple:
     """Leaves with equal signatures cut their matrices into pieces the same way."""
     return (tuple(self.layout.shape[d] for d in self.matrix_dims),
-            tuple(self.sharding.dim_axes[d] for d in self.matrix_dims),
+            tuple(self.dim_axes[d] for d in self.matrix_dims),
             self.reduction_positions, self.output_positions,
             self.layout.n_in > self.layout.n_out)
 
@@ -88,26 +105,63 @@ class LeafPlacement:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-  """Same-shape matrices of one group.
+  """Same-shape, same-dtype matrices of one group: one batched NS call per worker.
 
   Attributes:
     shape: the canonical (m, n), m ≤ n.
+    dtype: the leaves' dtype (NS runs in it unless ``NSOptions.compute_dtype`` says otherwise).
     members: indices into ``Plan.leaves``; local matrix j runs through them in order.
-    matrices: K, local matrices per device (the same on every device).
-    slots: S = ⌈K / g⌉ slots per device along the exchange axes.
-    replica_slots: slots each replica computes (S, or ⌈S / r⌉ with the split policy).
+    matrices: K, local matrices per device (the same on every device of the group).
+    flops: c, the NS FLOPs of one matrix.
   """
 
   shape: tuple[int, int]
+  dtype: Any
   members: tuple[int, ...]
   matrices: int
-  slots: int
-  replica_slots: int
+  flops: int
+
+  def piece_size(self, exchange_size: int) -> int:
+    """Elements of one matrix's piece on each of the exchange devices."""
+    return self.shape[0] * self.shape[1] // exchange_size
+
+
+# A worker's program: per bucket of its exchange, runs of (representative leaf, count) —
+# consecutive owned matrices whose pieces fit together the same way.
+Program = tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+  """Buckets that travel in one all-to-all each way, and the owner of each of their matrices.
+
+  Attributes:
+    buckets: the buckets.
+    owned: per worker, per bucket, the local matrices (indices into the bucket) it
+      orthogonalizes, in the order its program runs them.
+    programs: the distinct programs.
+    program_of: per worker, its index into ``programs``.
+  """
+
+  buckets: tuple[Bucket, ...]
+  owned: tuple[tuple[tuple[int, ...], ...], ...]
+  programs: tuple[Program, ...]
+  program_of: tuple[int, ...]
+
+  def chunk(self, exchange_size: int) -> int:
+    """Elements each device sends to each peer: the busiest worker's pieces."""
+    return max(sum(len(mine) * b.piece_size(exchange_size)
+                   for mine, b in zip(owned, self.buckets)) for owned in self.owned)
+
+  def program_flops(self) -> tuple[int, ...]:
+    """NS FLOPs of each program."""
+    return tuple(sum(count * b.flops for runs, b in zip(p, self.buckets) for _, count in runs)
+                 for p in self.programs)
 
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """Leaves sharing exchange and replica axes: one all-to-all each way.
+  """Leaves sharing exchange and replica axes.
 
   Attributes:
     exchange_axes: X.
@@ -115,7 +169,10 @@ class Group:
     exchange_size: g = Π |X|.
     replica_size: r = Π |R|.
     split: whether replicas split the NS work (then all-gather over R).
+    sharded: whether its leaves carry shardings (else: the trivial plan, run outside
+      ``shard_map``).
     buckets: its buckets.
+    exchanges: one (``exchange="group"``) or one per bucket.
   """
 
   exchange_axes: tuple[str, ...]
@@ -123,18 +180,28 @@ class Group:
   exchange_size: int
   replica_size: int
   split: bool
+  sharded: bool
   buckets: tuple[Bucket, ...]
+  exchanges: tuple[Exchange, ...]
 
-  def owner_masks(self, bucket: Bucket, leaves: tuple[LeafPlacement, ...]
-                  ) -> dict[tuple, np.ndarray]:
-    """Per piece signature, a (g, S) bool table: does device o's slot s hold such a matrix."""
-    leaf_of = [i for i in bucket.members for _ in range(leaves[i].local_batch)]
-    masks = {}
-    for j, i in enumerate(leaf_of):
-      mask = masks.setdefault(leaves[i].signature,
-                              np.zeros((self.exchange_size, bucket.slots), bool))
-      mask[j // bucket.slots, j % bucket.slots] = True
-    return masks
+  @property
+  def workers(self) -> int:
+    """Devices along X, times those along R when replicas split the work."""
+    return self.exchange_size * (self.replica_size if self.split else 1)
+
+  def worker_of_devices(self, mesh_shape: tuple[tuple[str, int], ...]) -> np.ndarray:
+    """The worker index of every device, as an array of the mesh's shape."""
+    sizes = [size for _, size in mesh_shape]
+    coords = dict(zip([name for name, _ in mesh_shape], np.indices(sizes)))
+
+    def linear(axes):
+      out = np.zeros(sizes, np.int64)
+      for a in axes:
+        out = out * dict(mesh_shape)[a] + coords[a]
+      return out
+
+    x = linear(self.exchange_axes)
+    return x * self.replica_size + linear(self.replica_axes) if self.split else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +209,15 @@ class Plan:
   """The whole tree's orthogonalization plan.
 
   Attributes:
-    mesh_shape: axis name → size, in mesh order.
+    mesh_shape: axis name → size, in mesh order; empty when no leaf is sharded.
     leaves: one placement per Muon leaf.
     groups: the groups.
     ns: the NS options.
-    exchange: ``"bucket"``: one all-to-all each way per bucket (less temp memory: only one
-      bucket's buffers are alive at a time); ``"group"``: one each way for all buckets of a
-      group (fewest collectives; for FSDP and FSDP × TP that is one for the whole tree).
+    exchange: ``"group"``: one all-to-all each way per group, owners balanced over all of
+      its buckets at once (for FSDP and FSDP × TP that is one exchange for the whole tree);
+      ``"bucket"``: one each way per bucket, each bucket spread evenly (at most ⌈K/workers⌉
+      matrices per worker) so that its chunk stays small; less temp memory (one bucket's
+      buffers alive at a time), less balance.
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
   """
 
@@ -156,52 +225,111 @@ class Plan:
   leaves: tuple[LeafPlacement, ...]
   groups: tuple[Group, ...]
   ns: NSOptions
-  exchange: str = "bucket"
+  exchange: str = "group"
   wire_dtype: Any = None
 
   @property
   def device_count(self) -> int:
     return math.prod(size for _, size in self.mesh_shape)
 
-  def ns_flops_per_device(self) -> int:
-    """NS FLOPs each device runs per step (every device runs the same program)."""
-    return sum(b.replica_slots * self.ns.flops(*b.shape)
-               for g in self.groups for b in g.buckets)
+  @property
+  def sharded(self) -> bool:
+    return any(g.sharded for g in self.groups)
 
-  def ideal_ns_flops_per_device(self) -> float:
-    """Σ over all matrices of their NS FLOPs, ÷ device count."""
-    total = sum(p.layout.batch * self.ns.flops(*canonical_shape(p.layout))
-                for p in self.leaves)
-    return total / self.device_count
+  def device_ns_flops(self) -> np.ndarray:
+    """NS FLOPs each device runs per step, as an array of the mesh's shape."""
+    loads = np.zeros([size for _, size in self.mesh_shape], np.int64)
+    for group in self.groups:
+      worker = group.worker_of_devices(self.mesh_shape)
+      for ex in group.exchanges:
+        flops = np.asarray(ex.program_flops(), np.int64)[np.asarray(ex.program_of)]
+        loads = loads + flops[worker]
+    return loads
+
+  def device_received_bytes(self, ragged: bool = False) -> np.ndarray:
+    """Bytes each device receives per step, as an array of the mesh's shape.
+
+    Args:
+      ragged: count only the pieces each device needs, as ``jax.lax.ragged_all_to_all``
+        would send them, instead of the equal chunks of ``jax.lax.all_to_all`` (which is
+        what runs: XLA:CPU does not implement the ragged collective).
+
+    Returns:
+      Per device: the all-to-all over X each way (chunks of the busiest worker's size from
+      each of the g − 1 peers), plus the all-gather of the replicas' results when they
+      split the work.
+    """
+    received = np.zeros([size for _, size in self.mesh_shape], np.float64)
+    for group in self.groups:
+      if group.workers == 1:
+        continue
+      worker = group.worker_of_devices(self.mesh_shape)
+      g, replicas = group.exchange_size, group.workers // group.exchange_size
+      for ex in group.exchanges:
+        wire = self.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
+        itemsize = np.dtype(wire).itemsize
+        # Elements one device sends each worker: its piece of every matrix the worker owns.
+        owned = np.array([sum(len(mine) * b.piece_size(g) for mine, b in zip(o, ex.buckets))
+                          for o in ex.owned], np.float64)
+        if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
+          per_worker = (g - 1) * owned + owned.sum() - owned
+        else:
+          chunk = ex.chunk(g)
+          per_worker = np.full(group.workers, (2 * (g - 1) + (replicas - 1) * g) * chunk)
+        received += itemsize * per_worker[worker]
+    return received
+
+  def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    """Per exchange with several programs (one ``lax.switch``): each program's NS FLOPs,
+    and the program every device runs (an array of the mesh's shape)."""
+    out = []
+    for group in self.groups:
+      worker = group.worker_of_devices(self.mesh_shape)
+      out += [(ex.program_flops(), np.asarray(ex.program_of)[worker])
+              for ex in group.exchanges if len(ex.programs) > 1]
+    return out
+
+  def critical_ns_flops(self) -> int:
+    """NS FLOPs of the busiest device."""
+    return int(self.device_ns_flops().max())
+
+  def ns_flops_bound(self) -> float:
+    """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS FLOPs."""
+    costs = [(p.layout.batch, self.ns.flops(*canonical_shape(p.layout), p.layout.dtype))
+             for p in self.leaves]
+    return max(sum(k * c for k, c in costs) / self.device_count, max(c for _, c in costs))
 
   def leaf_placement(self, index: int) -> str:
     """Where leaf ``index``'s matrices are orthogonalized, in words."""
     group = next(g for g in self.groups if any(index in b.members for b in g.buckets))
     bucket = next(b for b in group.buckets if index in b.members)
-    parts = []
-    if group.exchange_size > 1:
-      parts.append(f"all-to-all over {'×'.join(group.exchange_axes)}")
-    else:
-      parts.append("local")
+    ex = next(e for e in group.exchanges if bucket in e.buckets)
+    k = ex.buckets.index(bucket)
+    parts = [f"all-to-all over {'×'.join(group.exchange_axes)}" if group.exchange_size > 1
+             else "local"]
     if group.replica_size > 1:
       parts.append(f"{'split' if group.split else 'redundant'} over "
                    f"{'×'.join(group.replica_axes)}")
+    counts = sorted({len(owned[k]) for owned in ex.owned})
+    spread = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}")
     return (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
-            f"{bucket.matrices} matrices, {bucket.replica_slots} slot(s) per device")
+            f"{bucket.matrices} matrices, {spread} per worker of {group.workers}")
 
 
-def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding], ns: NSOptions,
-               replica_policy: str = "split", exchange: str = "bucket",
-               wire_dtype: Any = None) -> Plan:
+def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None],
+               ns: NSOptions, replica_policy: str = "split", exchange: str = "group",
+               wire_dtype: Any = None, weigh_bytes: bool = True) -> Plan:
   """Builds the plan for the Muon leaves.
 
   Args:
     layouts: the leaves' global layouts.
-    shardings: the leaves' shardings (all on one mesh).
+    shardings: the leaves' shardings (all on one mesh), ``None`` for a leaf without.
     ns: NS options.
     replica_policy: ``"split"`` or ``"redundant"`` (see the module docstring).
-    exchange: ``"bucket"`` or ``"group"`` (see ``Plan``).
+    exchange: ``"group"`` or ``"bucket"`` (see ``Plan``).
     wire_dtype: see ``Plan``.
+    weigh_bytes: balance each worker's received bytes along with the FLOPs (``False``:
+      FLOPs only, plain LPT, the reference the benchmark compares against).
 
   Returns:
     The ``Plan``.
@@ -210,35 +338,173 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding], ns: N
     ValueError: for an unknown policy or exchange.
   """
   validate_options(replica_policy, exchange)
-  mesh = shardings[0].mesh
-  mesh_shape = tuple(mesh.shape.items())
+  mesh = next((s.mesh for s in shardings if s is not None), None)
+  mesh_shape = tuple(mesh.shape.items()) if mesh is not None else ()
   order = [name for name, _ in mesh_shape]
   placements = []
   for layout, sharding in zip(layouts, shardings):
+    if sharding is None:
+      placements.append(LeafPlacement(layout, None, (), ()))
+      continue
     matrix_axes = {a for d in layout.reduction_axes + layout.output_axes
                    for a in sharding.dim_axes[d]}
-    replica = [a for a in order if a not in sharding.used_axes]
-    placements.append(LeafPlacement(layout, sharding,
-                                    tuple(a for a in order if a in matrix_axes),
-                                    tuple(replica)))
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    placements.append(LeafPlacement(
+        layout, sharding, tuple(a for a in order if a in matrix_axes),
+        tuple(a for a in order if a not in sharding.used_axes)))
+  size = lambda axes: math.prod(dict(mesh_shape)[a] for a in axes)
   group_members: dict[tuple, list[int]] = {}
   for i, p in enumerate(placements):
-    group_members.setdefault((p.exchange_axes, p.replica_axes), []).append(i)
-  groups = []
-  for (exchange_axes, replica_axes), members in group_members.items():
-    g, r = size(exchange_axes), size(replica_axes)
-    split = replica_policy == "split" and r > 1
-    by_shape: dict[tuple[int, int], list[int]] = {}
+    key = (p.exchange_axes, p.replica_axes, p.sharding is not None)
+    group_members.setdefault(key, []).append(i)
+  groups, units = [], []
+  for (exchange_axes, replica_axes, sharded), members in group_members.items():
+    by_kind: dict[tuple, list[int]] = {}
     for i in members:
-      by_shape.setdefault(canonical_shape(placements[i].layout), []).append(i)
+      layout = placements[i].layout
+      key = canonical_shape(layout) + (np.dtype(layout.dtype),)
+      by_kind.setdefault(key if ns.bucket else key + (i,), []).append(i)
     buckets = []
-    for shape, idx in by_shape.items():
-      k = sum(placements[i].local_batch for i in idx)
-      slots = -(-k // g)
-      buckets.append(Bucket(shape, tuple(idx), k, slots, -(-slots // r) if split else slots))
-    groups.append(Group(exchange_axes, replica_axes, g, r, split, tuple(buckets)))
+    for key, idx in by_kind.items():
+      # Members sorted by how their pieces fit together, so that a worker's runs of one
+      # kind are contiguous in the stack (no reordering on a single device).
+      kinds = list(dict.fromkeys(placements[i].signature for i in idx))
+      idx = sorted(idx, key=lambda i: kinds.index(placements[i].signature))
+      buckets.append(Bucket(key[:2], key[2], tuple(idx),
+                            sum(placements[i].local_batch for i in idx),
+                            ns.flops(*key[:2], key[2])))
+    buckets = tuple(buckets)
+    r = size(replica_axes)
+    groups.append(Group(exchange_axes, replica_axes, size(exchange_axes), r,
+                        replica_policy == "split" and r > 1, sharded, buckets, ()))
+    units.append([buckets] if exchange == "group" else [(b,) for b in buckets])
+  owners = _balance(groups, units, mesh_shape, exchange == "bucket", weigh_bytes)
+  groups = [dataclasses.replace(group, exchanges=tuple(
+      _exchange(unit, owner, placements, group.workers)
+      for unit, owner in zip(group_units, group_owners)))
+            for group, group_units, group_owners in zip(groups, units, owners)]
   return Plan(mesh_shape, tuple(placements), tuple(groups), ns, exchange, wire_dtype)
+
+
+@dataclasses.dataclass
+class _Matrices:
+  """The matrices of one exchange while owners are being chosen.
+
+  Attributes:
+    worker: the worker index of every device (flattened mesh).
+    costs, elements, kinds: per local matrix (buckets concatenated): NS FLOPs, size, bucket.
+    caps: per bucket, the most matrices one worker may own.
+    owner: per local matrix, the chosen worker.
+    owned_elements: per worker, the elements it owns (its chunk).
+    counts: (workers, buckets) matrices owned.
+  """
+
+  worker: np.ndarray
+  costs: list[int]
+  elements: list[int]
+  kinds: list[int]
+  caps: list[float]
+  owner: list[int]
+  owned_elements: np.ndarray
+  counts: np.ndarray
+
+  @property
+  def fair_elements(self) -> float:
+    return max(sum(self.elements) / len(self.owned_elements), max(self.elements, default=1))
+
+
+def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_shape: tuple,
+             spread: bool, weigh_bytes: bool) -> list[list[list[int]]]:
+  """Owners of every local matrix of every exchange: LPT over the whole tree.
+
+  Matrices in decreasing order of NS FLOPs; each goes to the worker of its group whose
+  busiest device has the least load afterwards (a device's load sums over the groups).
+  With ``weigh_bytes`` a worker's score is max(load ÷ the FLOPs bound, owned elements ÷
+  the group's fair share), so that no owner's chunk grows far beyond the fair share.
+
+  Args:
+    groups: the groups (without exchanges yet).
+    units: per group, the buckets of each of its exchanges.
+    mesh_shape: the mesh.
+    spread: cap each bucket at ⌈K / workers⌉ matrices per worker.
+    weigh_bytes: weigh the owned elements as well as the FLOPs.
+
+  Returns:
+    Per group, per exchange, the worker of each local matrix (buckets concatenated).
+  """
+  loads = np.zeros(math.prod(size for _, size in mesh_shape), np.float64)
+  exchanges, items = [], []
+  for k, (group, group_units) in enumerate(zip(groups, units)):
+    worker = group.worker_of_devices(mesh_shape).reshape(-1)
+    for buckets in group_units:
+      m = _Matrices(worker, [], [], [], [], [], np.zeros(group.workers),
+                    np.zeros((group.workers, len(buckets))))
+      for kind, b in enumerate(buckets):
+        m.costs += [b.flops] * b.matrices
+        m.elements += [b.shape[0] * b.shape[1]] * b.matrices
+        m.kinds += [kind] * b.matrices
+        m.caps.append(-(-b.matrices // group.workers) if spread else math.inf)
+      m.owner = [0] * len(m.costs)
+      items += [(-c, -e, len(exchanges), j) for j, (c, e) in enumerate(zip(m.costs, m.elements))]
+      exchanges.append((k, m))
+  total = sum(sum(m.costs) * loads.size / len(m.owned_elements) for _, m in exchanges)
+  fair_flops = max([total / loads.size, 1] + [c for _, m in exchanges for c in m.costs])
+  for _, _, e, j in sorted(items):
+    m = exchanges[e][1]
+    workers = len(m.owned_elements)
+    busiest = np.full(workers, -np.inf)
+    np.maximum.at(busiest, m.worker, loads)
+    new_load = busiest + m.costs[j]
+    new_elements = m.owned_elements + m.elements[j]
+    score = new_load / fair_flops
+    if weigh_bytes:
+      score = np.maximum(score, new_elements / m.fair_elements)
+    score[m.counts[:, m.kinds[j]] >= m.caps[m.kinds[j]]] = np.inf
+    w = int(np.lexsort((np.arange(workers), new_elements, new_load, score))[0])
+    m.owner[j] = w
+    m.owned_elements[w] += m.elements[j]
+    m.counts[w, m.kinds[j]] += 1
+    loads[m.worker == w] += m.costs[j]
+  out = [[] for _ in groups]
+  for k, m in exchanges:
+    out[k].append(m.owner)
+  return out
+
+
+def _exchange(buckets: tuple[Bucket, ...], owner: list[int], leaves: list[LeafPlacement],
+              workers: int) -> Exchange:
+  """The ``Exchange`` of ``buckets`` given the worker of each local matrix."""
+  owned = [[[] for _ in buckets] for _ in range(workers)]
+  start = 0
+  for k, b in enumerate(buckets):
+    leaf_of = [i for i in b.members for _ in range(leaves[i].local_batch)]
+    signatures = list(dict.fromkeys(leaves[i].signature for i in b.members))
+    order = sorted(range(b.matrices),
+                   key=lambda j: (signatures.index(leaves[leaf_of[j]].signature), j))
+    for j in order:
+      owned[owner[start + j]][k].append(j)
+    start += b.matrices
+  programs, program_of = [], []
+  for mine in owned:
+    program = []
+    for k, b in enumerate(buckets):
+      leaf_of = [i for i in b.members for _ in range(leaves[i].local_batch)]
+      representative = {}
+      for i in b.members:
+        representative.setdefault(leaves[i].signature, i)
+      runs: list[list[int]] = []
+      for j in mine[k]:
+        rep = representative[leaves[leaf_of[j]].signature]
+        if runs and runs[-1][0] == rep:
+          runs[-1][1] += 1
+        else:
+          runs.append([rep, 1])
+      program.append(tuple(tuple(run) for run in runs))
+    program = tuple(program)
+    if program not in programs:
+      programs.append(program)
+    program_of.append(programs.index(program))
+  return Exchange(buckets, tuple(tuple(tuple(m) for m in mine) for mine in owned),
+                  tuple(programs), tuple(program_of))
 
 
 def validate_options(replica_policy: str, exchange: str) -> None:

@@ -17,7 +17,7 @@ from optax_muon.transform import MuonConfig, MuonTransformation
 
 
 def _plan(params: Any, config: MuonConfig, layouts: list) -> tuple[Plan | None, dict]:
-  """The plan of the sharded Muon leaves, and position → index into ``plan.leaves``.
+  """The plan of the Muon leaves, and position → index into ``plan.leaves``.
 
   Shardings come from ``param_shardings`` if the transformation has them, else from the
   params themselves (arrays or ``ShapeDtypeStruct``s with a ``NamedSharding``).
@@ -28,9 +28,10 @@ def _plan(params: Any, config: MuonConfig, layouts: list) -> tuple[Plan | None, 
   if given is None:
     given = [getattr(leaf, "sharding", None) for _, leaf in positions]
     given = [s if isinstance(s, NamedSharding) else None for s in given]
-  plan, sharded = config.plan([layouts[i] for i in muon], [None] * len(muon),
-                              [given[i] for i in muon])
-  return plan, {muon[j]: k for k, j in enumerate(sharded)}
+  if not muon:
+    return None, {}
+  plan = config.plan([layouts[i] for i in muon], [None] * len(muon), [given[i] for i in muon])
+  return plan, {i: k for k, i in enumerate(muon) if plan.leaves[k].sharding is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class RoutingSummary:
 
   Attributes:
     rows: one per leaf.
-    plan: the orthogonalization plan of the sharded Muon leaves, if any.
+    plan: the orthogonalization plan of the Muon leaves, if any.
   """
 
   rows: tuple[LeafSummary, ...]
@@ -91,11 +92,12 @@ class RoutingSummary:
     n_muon, n_adam = len(self.by_optimizer(MUON)), len(self.by_optimizer(ADAM))
     footer = (f"{n_muon} leaves on Muon, {n_adam} on AdamW; NS "
               f"{self.total_ns_flops / 1e9:.3f} GFLOP per step.")
-    if self.plan is not None:
+    sharded = self.plan is not None and self.plan.sharded
+    if sharded:
       footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
-                 f"{self.plan.ns_flops_per_device() / 1e9:.3f} GFLOP per device (ideal "
-                 f"{self.plan.ideal_ns_flops_per_device() / 1e9:.3f}).")
-    if self.plan is None:  # no sharded leaves: no placement column
+                 f"{self.plan.critical_ns_flops() / 1e9:.3f} GFLOP on the busiest device "
+                 f"(lower bound {self.plan.ns_flops_bound() / 1e9:.3f}).")
+    else:  # no sharded leaves: no placement column
       header, body = header[:-1], [row[:-1] for row in body]
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()

@@ -12,11 +12,11 @@ import optax
 
 from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
-from optax_muon.distributed import orthogonalize_local, orthogonalize_sharded
+from optax_muon.distributed import orthogonalize
 from optax_muon.layout import (SCALE_KINDS, MatrixLayout, make_layout,
                                resolve_dimension_numbers, scale_factor)
 from optax_muon.newton_schulz import GRAM_RESTART
-from optax_muon.orthogonalize import NSOptions, orthogonalize
+from optax_muon.orthogonalize import NSOptions
 from optax_muon.plan import Plan, build_plan, validate_options
 from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
                                  resolve_param_shardings)
@@ -44,7 +44,7 @@ class MuonConfig:
     param_shardings: as passed to ``scale_by_muon``.
     replica_policy: ``"split"`` or ``"redundant"`` (see ``plan``).
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
-    exchange: ``"bucket"`` or ``"group"`` (see ``plan.Plan``).
+    exchange: ``"group"`` or ``"bucket"`` (see ``plan.Plan``).
   """
 
   ns: NSOptions
@@ -54,7 +54,7 @@ class MuonConfig:
   param_shardings: Any = None
   replica_policy: str = "split"
   wire_dtype: Any = None
-  exchange: str = "bucket"
+  exchange: str = "group"
 
   def layouts(self, tree: Any, selected: list[bool] | None = None
               ) -> list[MatrixLayout | None]:
@@ -82,8 +82,8 @@ class MuonConfig:
                         consistent_rms=self.consistent_rms)
 
   def plan(self, layouts: list[MatrixLayout], typed: list[Any], given: list[Any] | None
-           ) -> tuple[Plan | None, list[int]]:
-    """The plan of the sharded leaves among ``layouts``, and their indices.
+           ) -> Plan:
+    """The plan of the Muon leaves ``layouts`` (unsharded ones get the trivial plan).
 
     Args:
       layouts: Muon leaves' global layouts.
@@ -91,20 +91,16 @@ class MuonConfig:
       given: their ``param_shardings`` entries, or None.
 
     Returns:
-      (plan, indices into ``layouts`` of the leaves in ``plan.leaves`` order); (None, [])
-      when no leaf carries sharding information.
+      The ``Plan``, with ``plan.leaves`` in the order of ``layouts``.
     """
     shardings = leaf_shardings([l.shape for l in layouts], typed, [l.path for l in layouts],
                                given)
-    sharded = [i for i, s in enumerate(shardings) if s is not None]
-    if not sharded:
-      return None, []
-    return build_plan([layouts[i] for i in sharded], [shardings[i] for i in sharded], self.ns,
-                      self.replica_policy, self.exchange, self.wire_dtype), sharded
+    return build_plan(layouts, shardings, self.ns, self.replica_policy, self.exchange,
+                      self.wire_dtype)
 
   def orthogonalize(self, xs: list[jax.Array], layouts: list[MatrixLayout],
                     given: list[Any] | None, manual: bool) -> list[jax.Array]:
-    """NS of every Muon leaf: sharded leaves by the plan, the others bucketed locally.
+    """NS of every Muon leaf, by the plan.
 
     Args:
       xs: the NS inputs (global arrays, or local blocks when ``manual``).
@@ -113,18 +109,7 @@ class MuonConfig:
       manual: inside a ``shard_map`` (``xs`` are local blocks).
     """
     typed = [None if manual else getattr(jax.typeof(x), "sharding", None) for x in xs]
-    plan, sharded = self.plan(layouts, typed, given)
-    local = [i for i in range(len(xs)) if i not in sharded]
-    out = [None] * len(xs)
-    if local:
-      for i, y in zip(local, orthogonalize([xs[i] for i in local], [layouts[i] for i in local],
-                                           self.ns)):
-        out[i] = y
-    if plan is not None:
-      run = orthogonalize_local if manual else orthogonalize_sharded
-      for i, y in zip(sharded, run([xs[i] for i in sharded], plan)):
-        out[i] = y
-    return out
+    return orthogonalize(xs, self.plan(layouts, typed, given), manual)
 
 
 class MuonTransformation(optax.GradientTransformationExtraArgs):
@@ -248,7 +233,7 @@ def scale_by_muon(
     param_shardings: Any = None,
     replica_policy: str = "split",
     wire_dtype: jax.typing.DTypeLike | None = None,
-    exchange: str = "bucket",
+    exchange: str = "group",
 ) -> MuonTransformation:
   """Muon's direction: orthogonalized momentum, optionally scaled by the matrix shape.
 
@@ -301,9 +286,10 @@ def scale_by_muon(
     replica_policy: for leaves replicated over some mesh axes: ``"split"`` the NS work
       among the replicas and all-gather, or compute it ``"redundant"``ly on each.
     wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the bytes).
-    exchange: ``"bucket"`` (one all-to-all each way per same-shape bucket; default: only
-      one bucket's buffers live at a time) or ``"group"`` (one each way for the whole tree
-      on FSDP/TP meshes; fewer collectives, more temp memory).
+    exchange: ``"group"`` (default: one all-to-all each way per group of leaves, owners
+      balanced over all shapes at once; one for the whole tree on FSDP/TP meshes) or
+      ``"bucket"`` (one each way per same-shape bucket, each spread evenly: only one
+      bucket's buffers live at a time, less balance).
 
   Returns:
     A ``MuonTransformation`` (an ``optax.GradientTransformationExtraArgs``).

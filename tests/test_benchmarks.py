@@ -33,14 +33,10 @@ def test_orthogonality_quick():
 def test_sharding_quick():
   import sharding
   rows = sharding.main(["--quick"])
-  ours = [r for r in rows if r["optimizer"] == "optax_muon" and "4 layers" in r["tree"]]
-  assert ours and all(r["flops"] <= 1.05 and r["bytes"] <= 1.05 and r["in loops"] == 0
-                      and r["temp"] <= 3.5 for r in ours)
-  one = [r for r in rows if r["optimizer"] == "optax_muon, one exchange"]
-  assert one and all(r["collectives"] == 2 for r in one)
-  contrib_explicit = [r for r in rows if r["optimizer"] == "optax.contrib.muon"
-                      and r["axes"] == "Explicit"]
-  assert all(r.get("error") == "ShardingTypeError" for r in contrib_explicit)
+  assert {r["tree"].split(" ")[0] for r in rows} == {"GPT", "GQA+SwiGLU", "MoE"}
+  for r in rows:
+    assert r["flops"] <= max(1.1, 1.05 * r["lpt"]) and r["in_loops"] == 0
+    assert r["bytes"] <= max(1.45, 1.05 * r["chunks"]) and r["temp"] <= 3
 
 
 def test_convergence_quick(tmp_path):
