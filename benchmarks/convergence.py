@@ -68,8 +68,8 @@ QUICK = Budget(steps=16, batch_size=8, eval_every=4, eval_windows=8,
 #: The winners of the full sweep (adamw 0.001–0.008; optax_muon and contrib 0.01–0.04):
 #: AdamW's learning rate, and the Muon learning rates (AdamW parts at AdamW's).
 BEST_LRS = {"adamw": 4e-3, "optax_muon": 0.02, "contrib": 0.02}
-#: NorMuon's Muon learning rates to sweep.
-NORMUON_LRS = (0.01, 0.02, 0.04)
+#: NorMuon's Muon learning rates to sweep (the first runs first).
+NORMUON_LRS = (0.02, 0.01, 0.04)
 #: λ of the weight-decay rows, for both branches (multiplied by each branch's lr).
 WEIGHT_DECAY = 0.1
 
@@ -152,6 +152,8 @@ def main(argv=None) -> dict:
   def go(name, kind, lr, adam_lr, seed=0, **variant):
     key, described = f"{name} seed={seed}", dict(kind=kind, lr=lr, adam_lr=adam_lr, seed=seed,
                                                  variant=str(variant or ""))
+    if key in results:
+      return results[key]
     if key in saved and all(saved[key][k] == v for k, v in described.items()):
       results[key] = r = saved[key]
     else:
@@ -178,36 +180,45 @@ def main(argv=None) -> dict:
       runs[lr] = go(f"{name} lr={lr:g}", kind, lr, adam_lr or lr, **variant)
     return min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
 
+  # Seed 0 of every row first, then the second seeds: a cut-short run still compares them.
   best_adam, swept = sweep("adamw", "adamw", adam_lrs)
   best, sweeps = {"adamw": best_adam}, {"adamw": swept}
-  for kind in ("optax_muon", "contrib"):
-    best[kind], sweeps[kind] = sweep(kind, kind, muon_lrs[kind], best_adam)
-  for kind, lr in best.items():
-    for seed in seeds[1:]:
-      go(f"{kind} lr={lr:g}", kind, lr, best_adam, seed=seed)
+  best["optax_muon"], sweeps["optax_muon"] = sweep("optax_muon", "optax_muon",
+                                                   muon_lrs["optax_muon"], best_adam)
   lr = best["optax_muon"]
+  normuon = dict(normalization="neuron")
+  go(f"optax_muon NorMuon lr={normuon_lrs[0]:g}", "optax_muon", normuon_lrs[0], best_adam,
+     **normuon)
   decay = dict(weight_decay=WEIGHT_DECAY, adam_weight_decay=WEIGHT_DECAY)
-  ablations = {  # two seeds each, at optax_muon's learning rate
-      "optax_muon NAdamW on AdamW leaves": dict(adam_nesterov=True),
-      "optax_muon polar_express": dict(ns_coeffs="polar_express"),
-      "optax_muon NAdamW + polar_express": dict(adam_nesterov=True, ns_coeffs="polar_express"),
-      f"optax_muon weight decay {WEIGHT_DECAY:g}": decay,
+  ablations = {  # at optax_muon's learning rate
       f"optax_muon cautious weight decay {WEIGHT_DECAY:g}": dict(cautious_weight_decay=True,
                                                                  **decay),
+      f"optax_muon weight decay {WEIGHT_DECAY:g}": decay,
+      "optax_muon NAdamW on AdamW leaves": dict(adam_nesterov=True),
+      "optax_muon polar_express": dict(ns_coeffs="polar_express"),
   }
   for name, variant in ablations.items():
-    for seed in seeds:
-      go(name, "optax_muon", lr, best_adam, seed=seed, **variant)
-  normuon = dict(normalization="neuron")
+    go(name, "optax_muon", lr, best_adam, **variant)
+  best["contrib"], sweeps["contrib"] = sweep("contrib", "contrib", muon_lrs["contrib"],
+                                             best_adam)
   best["normuon"], sweeps["normuon"] = sweep("optax_muon NorMuon", "optax_muon", normuon_lrs,
                                              best_adam, **normuon)
+  both = f"optax_muon NorMuon + cautious weight decay {WEIGHT_DECAY:g}"
+  go(both, "optax_muon", best["normuon"], best_adam, cautious_weight_decay=True, **normuon,
+     **decay)
   for seed in seeds[1:]:
+    for kind in ("adamw", "optax_muon", "contrib"):
+      go(f"{kind} lr={best[kind]:g}", kind, best[kind], best_adam, seed=seed)
     go(f"optax_muon NorMuon lr={best['normuon']:g}", "optax_muon", best["normuon"], best_adam,
        seed=seed, **normuon)
-  both = f"optax_muon NorMuon + cautious weight decay {WEIGHT_DECAY:g}"
-  for seed in seeds:
+    for name, variant in ablations.items():
+      go(name, "optax_muon", lr, best_adam, seed=seed, **variant)
     go(both, "optax_muon", best["normuon"], best_adam, seed=seed, cautious_weight_decay=True,
        **normuon, **decay)
+  combined = "optax_muon NAdamW + polar_express"
+  for seed in seeds:
+    go(combined, "optax_muon", lr, best_adam, seed=seed, adam_nesterov=True,
+       ns_coeffs="polar_express")
   singles = {"optax_muon sum momentum": (lr, dict(momentum="sum")),
              "optax_muon rms scale @ AdamW lr": (best_adam, dict(consistent_rms=0.2))}
   for name, (single_lr, variant) in singles.items():
@@ -221,9 +232,8 @@ def main(argv=None) -> dict:
   winners = {"AdamW": f"adamw lr={best_adam:g}",
              "optax_muon.muon": f"optax_muon lr={best['optax_muon']:g}",
              "optax.contrib.muon": f"contrib lr={best['contrib']:g}",
-             **{k: k for k in ablations},
              "optax_muon NorMuon": f"optax_muon NorMuon lr={best['normuon']:g}",
-             both: both, **{k: k for k in singles}}
+             **{k: k for k in (*ablations, both, combined, *singles)}}
   mean_curve = lambda rs: [(t, float(np.mean([r["curve"][k][1] for r in rs])))
                            for k, (t, _) in enumerate(rs[0]["curve"])]
   target = mean_curve(runs_of(winners["AdamW"]))[-1][1]
