@@ -244,3 +244,18 @@ def test_cautious_weight_decay_keeps_the_state_structure():
     assert rel_err(a, b) < 1e-4  # injected b2 = 0.999 in float32: 1 − b2ᵗ is off by ~7e-6
   with pytest.raises(ValueError, match="weight_decay: cautious weight decay takes a number"):
     om.muon(0.02, weight_decay=optax.constant_schedule(0.1), cautious_weight_decay=True)
+
+
+def test_summary_names_normuon_and_cautious_decay():
+  params = _params()
+  text = str(om.summarize(params, om.muon(0.02, normalization="neuron",
+                                          cautious_weight_decay=True)))
+  assert text.splitlines()[-2] == ("NorMuon on all Muon leaves (1): updates normalized per "
+                                   "output neuron after NS.")
+  assert text.splitlines()[-1].startswith("Cautious weight decay: Muon and AdamW leaves")
+  plain = om.summarize(params, om.muon(0.02))
+  assert plain.notes == () and "NorMuon" not in str(plain)
+  stack = om.summarize({"w": jnp.zeros((2, 8, 8))}, om.scale_by_muon(
+      normalization="neuron", weight_dimension_numbers=DN(1, 2)))
+  assert stack.notes == ("NorMuon on all Muon leaves (1): updates normalized per output "
+                         "neuron after NS.",)
