@@ -89,13 +89,14 @@ def normalize_neurons(o: jax.Array, nu: jax.Array, beta: jax.typing.ArrayLike,
     (Ô in ``o``'s dtype, the new ``nu``).
 
   Examples:
-    >>> import jax.numpy as jnp, optax_muon
+    >>> import jax.numpy as jnp
     >>> from optax_muon.layout import make_layout
+    >>> from optax_muon.normalization import normalize_neurons
     >>> o = jnp.array([[3.0, 0.1], [4.0, 0.0]])  # neuron 0 is 50× louder than neuron 1
     >>> layout = make_layout("w", o, None)
     >>> o_hat, nu = normalize_neurons(o, jnp.zeros((1, 2)), 0.95, layout)
     >>> [round(float(x), 3) for x in jnp.linalg.norm(o_hat, axis=0)]  # now equal
-    [3.537, 3.537]
+    [3.536, 3.536]
 
   References:
     Li et al., `NorMuon: Making Muon more efficient and scalable

@@ -45,6 +45,7 @@ def add_cautious_decayed_weights(weight_decay: jax.typing.ArrayLike = 0.0,
 
   Examples:
     >>> import jax.numpy as jnp
+    >>> from optax_muon.weight_decay import add_cautious_decayed_weights
     >>> tx = add_cautious_decayed_weights(0.5)
     >>> w, u = jnp.array([1.0, 1.0, -2.0]), jnp.array([0.1, -0.1, -0.1])
     >>> out, _ = tx.update(u, tx.init(w), w)
