@@ -17,10 +17,10 @@ same budget, warmup + cosine schedule, batch stream and init for a given seed.
 5. Single-seed variants: sum momentum, and rms scaling at AdamW's learning rate A* (the
    claim that rms lets Muon reuse AdamW's learning rate).
 
-Every row but 5 has two seeds (``--quick``: one). Reported: final validation loss (mean over seeds), the steps
-each needs to reach AdamW's final validation loss as a fraction of AdamW's steps, and the
-time per step. Each finished run is saved to ``OUT/convergence_runs.json`` at once;
-``--resume`` reuses the runs found there.
+Every row but 5 has two seeds (``--quick``: one). Reported: final validation loss (mean
+over seeds), the steps each needs to reach AdamW's final validation loss as a fraction of
+AdamW's steps, and the time per step. Each finished run is saved to
+``OUT/convergence_runs.json`` at once; ``--resume`` reuses the runs found there.
 
   python benchmarks/convergence.py            # the full run (about an hour on 2 cores)
   python benchmarks/convergence.py --quick    # CI: tiny model, a few steps
@@ -249,8 +249,8 @@ def main(argv=None) -> dict:
         f"{budget.steps} steps; target = AdamW's final validation loss {target:.4f}")
   print(table(rows, list(rows[0]), {"final val loss": "{:.4f}",
                                     "steps to AdamW's final": "{:.2f}×", "ms/step": "{:.0f}"}))
-  summary = {"budget": budget_key, "best_lr": best, "swept": sweeps, "target": target, "table": rows,
-             "runs": results}
+  summary = {"budget": budget_key, "best_lr": best, "swept": sweeps, "target": target,
+             "table": rows, "runs": results}
   (out / "convergence.json").write_text(json.dumps(summary, indent=1))
   _plot(results, winners, out / "convergence.png")
   return summary
