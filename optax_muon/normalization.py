@@ -47,13 +47,16 @@ def moment_sharding(sharding: Any, layout: MatrixLayout) -> NamedSharding | None
   return NamedSharding(sharding.mesh, LeafSharding(sharding.mesh, kept).spec)
 
 
-def init_moment(layout: MatrixLayout, dtype: Any, sharding: Any = None) -> jax.Array:
+def init_moment(layout: MatrixLayout, dtype: Any, sharding: Any = None, *,
+                traced: bool = False) -> jax.Array:
   """Zeros of ``moment_shape(layout)``, sharded like the leaf's output and batch axes.
 
   Args:
     layout: the leaf's layout.
     dtype: the moment's (real) dtype.
     sharding: the leaf's ``NamedSharding``, or None.
+    traced: whether this runs under a trace (``jit``): the sharding is then a type
+      (Explicit meshes) or a constraint (Auto meshes) rather than a placement.
 
   Returns:
     The initial second moment.
@@ -61,6 +64,8 @@ def init_moment(layout: MatrixLayout, dtype: Any, sharding: Any = None) -> jax.A
   shape, target = moment_shape(layout), moment_sharding(sharding, layout)
   if target is None:
     return jnp.zeros(shape, dtype)
+  if not traced:
+    return jnp.zeros(shape, dtype, device=target)
   if all(t == AxisType.Explicit for t in target.mesh.axis_types):
     return jnp.zeros(shape, dtype, out_sharding=target)
   return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), target)

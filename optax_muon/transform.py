@@ -405,7 +405,8 @@ def scale_by_muon(
       given = resolve_param_shardings(param_shardings, params) or [None] * len(positions)
       nu = jax.tree_util.tree_unflatten(treedef, [
           leaf if layout is None else init_moment(
-              layout, state_dtype(jnp.finfo(leaf.dtype).dtype), s or _own_sharding(leaf))
+              layout, state_dtype(jnp.finfo(leaf.dtype).dtype), s or _own_sharding(leaf),
+              traced=isinstance(leaf, jax.core.Tracer))
           for (_, leaf), layout, s in zip(positions, layouts, given)])
     return MuonState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 

@@ -348,3 +348,20 @@ def test_normuon_and_cautious_decay_in_shard_map_match_single_device():
   _compare(updates, reference)
   _compare(state.inner_states["muon"].inner_state[0].nu,
            state1.inner_states["muon"].inner_state[0].nu)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_normuon_state_sharded_at_init_eager_and_abstract(axis_type):
+  """Eager init on sharded arrays, on ShapeDtypeStructs, and eval_shape (for checkpoint
+  restore targets) all give NorMuon's state the params' output-axis sharding."""
+  mesh = _mesh((4, 2), ("fsdp", "tp"), axis_type)
+  sharding = NamedSharding(mesh, P("fsdp", "tp"))
+  params = {"w": jax.device_put(jnp.ones((16, 8)), sharding)}
+  structs = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=sharding)}
+  tx = om.scale_by_muon(normalization="neuron")
+  want = NamedSharding(mesh, P(None, "tp"))
+  for state in (tx.init(params), tx.init(structs)):
+    assert state.nu["w"].shape == (1, 8) and state.nu["w"].sharding.is_equivalent_to(want, 2)
+  if axis_type == AxisType.Explicit:
+    abstract = jax.eval_shape(tx.init, structs).nu["w"]
+    assert abstract.shape == (1, 8) and abstract.sharding.spec == P(None, "tp")
