@@ -123,6 +123,9 @@ def main(argv=None) -> dict:
                       help="sweep the baselines' learning rates instead of using BEST_LRS")
   parser.add_argument("--resume", action="store_true",
                       help="reuse the runs saved in OUT/convergence_runs.json")
+  parser.add_argument("--report", action="store_true",
+                      help="train nothing: the table of the saved runs (rows without runs "
+                      "left out)")
   args = parser.parse_args(argv)
   budget = QUICK if args.quick else Budget()
   data = stdlib_corpus(max_bytes=300_000 if args.quick else 4_000_000)
@@ -144,7 +147,7 @@ def main(argv=None) -> dict:
   budget_key = {"steps": budget.steps, "batch_size": budget.batch_size,
                 "model": dataclasses.asdict(budget.cfg)}
   saved = {}
-  if args.resume and saved_path.exists():
+  if (args.resume or args.report) and saved_path.exists():
     previous = json.loads(saved_path.read_text())
     saved = previous["runs"] if previous["budget"] == budget_key else {}
   results: dict[str, dict] = {}
@@ -156,6 +159,8 @@ def main(argv=None) -> dict:
       return results[key]
     if key in saved and all(saved[key][k] == v for k, v in described.items()):
       results[key] = r = saved[key]
+    elif args.report:
+      return None
     else:
       tx = make_optimizer(kind, lr, adam_lr, budget.steps, **variant)
       r = run(tx, budget, seed, data)
@@ -172,12 +177,16 @@ def main(argv=None) -> dict:
     """Runs ``lrs``; while the best is at an end of the sweep (of several), extends it by
     ×2 or ÷2 (≤ 2 more)."""
     runs = {lr: go(f"{name} lr={lr:g}", kind, lr, adam_lr or lr, **variant) for lr in lrs}
+    runs = {lr: r for lr, r in runs.items() if r is not None}  # --report: saved runs only
+    if not runs:
+      return lrs[0], []
     for _ in range(0 if len(lrs) == 1 else 2):
       best_lr, ordered = min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
-      if best_lr not in (ordered[0], ordered[-1]):
-        break
       lr = best_lr * 2 if best_lr == ordered[-1] else best_lr / 2
-      runs[lr] = go(f"{name} lr={lr:g}", kind, lr, adam_lr or lr, **variant)
+      if best_lr not in (ordered[0], ordered[-1]) or not (r := go(
+          f"{name} lr={lr:g}", kind, lr, adam_lr or lr, **variant)):
+        break
+      runs[lr] = r
     return min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
 
   # Seed 0 of every row first, then the second seeds: a cut-short run still compares them.
@@ -239,6 +248,8 @@ def main(argv=None) -> dict:
   target = mean_curve(runs_of(winners["AdamW"]))[-1][1]
   for label, prefix in winners.items():
     rs = runs_of(prefix)
+    if not rs:  # --report of a partial run
+      continue
     reach = steps_to_reach(mean_curve(rs), target)
     rows.append({
         "optimizer": label, "lr": f"{rs[0]['lr']:g}", "seeds": len(rs),

@@ -61,4 +61,6 @@ def test_convergence_quick(tmp_path):
   # Each finished run is saved at once; --resume reuses them instead of training again.
   again = convergence.main(["--quick", "--out", str(tmp_path), "--resume"])
   assert json.dumps(again["table"]) == json.dumps(summary["table"])  # NaN-safe
+  report = convergence.main(["--quick", "--out", str(tmp_path), "--report"])  # trains nothing
+  assert json.dumps(report["table"]) == json.dumps(summary["table"])
   assert (tmp_path / "convergence.png").exists() and (tmp_path / "convergence.json").exists()
