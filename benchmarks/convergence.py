@@ -4,19 +4,25 @@ The model and data are the training example's (``examples/gpt.py``): a byte-leve
 the Python standard library's source with a fixed train/validation split. Every run has the
 same budget, warmup + cosine schedule, batch stream and init for a given seed.
 
-1. AdamW: sweep its learning rate; the best (lowest final validation loss) is A*. Every
-   sweep is extended (×2 or ÷2, at most twice) while its best value sits at an end.
-2. optax_muon.muon (package defaults) and optax.contrib.muon (its defaults, which also put
-   the embedding and head on Muon): sweep the Muon learning rate, AdamW parts at A*.
-3. The winners again with a second seed.
-4. Variants of optax_muon at its best learning rate: Polar Express coefficients, sum
-   momentum, and rms scaling at AdamW's learning rate A* (the claim that rms lets Muon
-   reuse AdamW's learning rate).
+1. AdamW: its learning rate A*; optax_muon.muon (package defaults) and optax.contrib.muon
+   (its defaults, which also put the embedding and head on Muon): their Muon learning
+   rates, AdamW parts at A*. By default these are ``BEST_LRS``, the winners of the full
+   sweep; ``--sweep`` redoes it (every sweep is extended, ×2 or ÷2 at most twice, while its
+   best value sits at an end).
+2. Ablations with this package's routing, at its learning rate: NAdamW instead of AdamW on
+   the AdamW leaves (``adam_nesterov=True``), Polar Express coefficients, both.
+3. NorMuon (``normalization="neuron"``), its Muon learning rate swept.
+4. Decoupled weight decay ``WEIGHT_DECAY`` on both branches, plain and cautious, and
+   NorMuon with cautious decay (at NorMuon's learning rate).
+5. Single-seed variants: sum momentum, and rms scaling at AdamW's learning rate A* (the
+   claim that rms lets Muon reuse AdamW's learning rate).
 
-Reported: final validation loss (mean over seeds), the steps each needs to reach AdamW's
-final validation loss as a fraction of AdamW's steps, and the time per step.
+Every row but 5 has two seeds (``--quick``: one). Reported: final validation loss (mean
+over seeds), the steps each needs to reach AdamW's final validation loss as a fraction of
+AdamW's steps, and the time per step. Each finished run is saved to
+``OUT/convergence_runs.json`` at once; ``--resume`` reuses the runs found there.
 
-  python benchmarks/convergence.py            # the full run (tens of minutes on 2 cores)
+  python benchmarks/convergence.py            # the full run (about an hour on 2 cores)
   python benchmarks/convergence.py --quick    # CI: tiny model, a few steps
 """
 
@@ -57,6 +63,15 @@ class Budget:
 
 QUICK = Budget(steps=16, batch_size=8, eval_every=4, eval_windows=8,
                cfg=GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32))
+
+
+#: The winners of the full sweep (adamw 0.001–0.008; optax_muon and contrib 0.01–0.04):
+#: AdamW's learning rate, and the Muon learning rates (AdamW parts at AdamW's).
+BEST_LRS = {"adamw": 4e-3, "optax_muon": 0.02, "contrib": 0.02}
+#: NorMuon's Muon learning rates to sweep (the first runs first).
+NORMUON_LRS = (0.02, 0.01, 0.04)
+#: λ of the weight-decay rows, for both branches (multiplied by each branch's lr).
+WEIGHT_DECAY = 0.1
 
 
 def schedule(peak: float, steps: int) -> optax.Schedule:
@@ -104,50 +119,121 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--out", default="runs")
+  parser.add_argument("--sweep", action="store_true",
+                      help="sweep the baselines' learning rates instead of using BEST_LRS")
+  parser.add_argument("--resume", action="store_true",
+                      help="reuse the runs saved in OUT/convergence_runs.json")
+  parser.add_argument("--report", action="store_true",
+                      help="train nothing: the table of the saved runs (rows without runs "
+                      "left out)")
   args = parser.parse_args(argv)
   budget = QUICK if args.quick else Budget()
   data = stdlib_corpus(max_bytes=300_000 if args.quick else 4_000_000)
-  adam_lrs = (1e-3, 2e-3, 4e-3) if not args.quick else (3e-3,)
-  muon_lrs = (0.01, 0.02, 0.04) if not args.quick else (0.02,)
+  seeds = (0,) if args.quick else (0, 1)  # --quick: every row once
+  if args.quick:
+    adam_lrs, normuon_lrs = (3e-3,), (0.02,)
+    muon_lrs = {"optax_muon": (0.02,), "contrib": (0.02,)}
+  elif args.sweep:
+    adam_lrs, muon_lrs = (1e-3, 2e-3, 4e-3), {"optax_muon": (0.01, 0.02, 0.04),
+                                              "contrib": (0.01, 0.02, 0.04)}
+    normuon_lrs = NORMUON_LRS
+  else:
+    adam_lrs = (BEST_LRS["adamw"],)
+    muon_lrs = {kind: (BEST_LRS[kind],) for kind in ("optax_muon", "contrib")}
+    normuon_lrs = NORMUON_LRS
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  saved_path = out / "convergence_runs.json"
+  budget_key = {"steps": budget.steps, "batch_size": budget.batch_size,
+                "model": dataclasses.asdict(budget.cfg)}
+  saved = {}
+  if (args.resume or args.report) and saved_path.exists():
+    previous = json.loads(saved_path.read_text())
+    saved = previous["runs"] if previous["budget"] == budget_key else {}
   results: dict[str, dict] = {}
 
   def go(name, kind, lr, adam_lr, seed=0, **variant):
-    tx = make_optimizer(kind, lr, adam_lr, budget.steps, **variant)
-    r = run(tx, budget, seed, data)
-    r.update(kind=kind, lr=lr, adam_lr=adam_lr, seed=seed, variant=str(variant or ""))
-    results[f"{name} seed={seed}"] = r
+    key, described = f"{name} seed={seed}", dict(kind=kind, lr=lr, adam_lr=adam_lr, seed=seed,
+                                                 variant=str(variant or ""))
+    if key in results:
+      return results[key]
+    if key in saved and all(saved[key][k] == v for k, v in described.items()):
+      results[key] = r = saved[key]
+    elif args.report:
+      return None
+    else:
+      tx = make_optimizer(kind, lr, adam_lr, budget.steps, **variant)
+      r = run(tx, budget, seed, data)
+      r.update(described)
+      results[key] = r
+      saved_path.write_text(json.dumps({"budget": budget_key, "runs": {**saved, **results}}))
     print(f"{name:38s} seed={seed} final val {r['curve'][-1][1]:.4f} "
           f"({r['seconds_per_step'] * 1e3:.0f} ms/step)", flush=True)
     return r
 
   final = lambda r: r["curve"][-1][1]
 
-  def sweep(kind, lrs, adam_lr=None):
-    """Runs ``lrs``; while the best is at an end of the sweep, extends it by ×2 (≤ 2 more)."""
-    runs = {lr: go(f"{kind} lr={lr:g}", kind, lr, adam_lr or lr) for lr in lrs}
-    for _ in range(0 if args.quick else 2):
+  def sweep(name, kind, lrs, adam_lr=None, **variant):
+    """Runs ``lrs``; while the best is at an end of the sweep (of several), extends it by
+    ×2 or ÷2 (≤ 2 more)."""
+    runs = {lr: go(f"{name} lr={lr:g}", kind, lr, adam_lr or lr, **variant) for lr in lrs}
+    runs = {lr: r for lr, r in runs.items() if r is not None}  # --report: saved runs only
+    if not runs:
+      return lrs[0], []
+    for _ in range(0 if len(lrs) == 1 else 2):
       best_lr, ordered = min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
-      if best_lr not in (ordered[0], ordered[-1]):
-        break
       lr = best_lr * 2 if best_lr == ordered[-1] else best_lr / 2
-      runs[lr] = go(f"{kind} lr={lr:g}", kind, lr, adam_lr or lr)
+      if best_lr not in (ordered[0], ordered[-1]) or not (r := go(
+          f"{name} lr={lr:g}", kind, lr, adam_lr or lr, **variant)):
+        break
+      runs[lr] = r
     return min(runs, key=lambda lr: final(runs[lr])), sorted(runs)
 
-  best_adam, swept = sweep("adamw", adam_lrs)
+  # Seed 0 of every row first, then the second seeds: a cut-short run still compares them.
+  best_adam, swept = sweep("adamw", "adamw", adam_lrs)
   best, sweeps = {"adamw": best_adam}, {"adamw": swept}
-  for kind in ("optax_muon", "contrib"):
-    best[kind], sweeps[kind] = sweep(kind, muon_lrs, best_adam)
-  for kind, lr in best.items():
-    go(f"{kind} lr={lr:g}", kind, lr, best_adam, seed=1)
-  variants = {
+  best["optax_muon"], sweeps["optax_muon"] = sweep("optax_muon", "optax_muon",
+                                                   muon_lrs["optax_muon"], best_adam)
+  lr = best["optax_muon"]
+  normuon = dict(normalization="neuron")
+  go(f"optax_muon NorMuon lr={normuon_lrs[0]:g}", "optax_muon", normuon_lrs[0], best_adam,
+     **normuon)
+  decay = dict(weight_decay=WEIGHT_DECAY, adam_weight_decay=WEIGHT_DECAY)
+  ablations = {  # at optax_muon's learning rate
+      f"optax_muon cautious weight decay {WEIGHT_DECAY:g}": dict(cautious_weight_decay=True,
+                                                                 **decay),
+      f"optax_muon weight decay {WEIGHT_DECAY:g}": decay,
+      "optax_muon NAdamW on AdamW leaves": dict(adam_nesterov=True),
       "optax_muon polar_express": dict(ns_coeffs="polar_express"),
-      "optax_muon sum momentum": dict(momentum="sum"),
   }
-  for name, variant in variants.items():
-    go(name, "optax_muon", best["optax_muon"], best_adam, **variant)
-  go("optax_muon rms scale @ AdamW lr", "optax_muon", best_adam, best_adam, consistent_rms=0.2)
+  for name, variant in ablations.items():
+    go(name, "optax_muon", lr, best_adam, **variant)
+  best["contrib"], sweeps["contrib"] = sweep("contrib", "contrib", muon_lrs["contrib"],
+                                             best_adam)
+  best["normuon"], sweeps["normuon"] = sweep("optax_muon NorMuon", "optax_muon", normuon_lrs,
+                                             best_adam, **normuon)
+  both = f"optax_muon NorMuon + cautious weight decay {WEIGHT_DECAY:g}"
+  go(both, "optax_muon", best["normuon"], best_adam, cautious_weight_decay=True, **normuon,
+     **decay)
+  for seed in seeds[1:]:
+    for kind in ("adamw", "optax_muon", "contrib"):
+      go(f"{kind} lr={best[kind]:g}", kind, best[kind], best_adam, seed=seed)
+    go(f"optax_muon NorMuon lr={best['normuon']:g}", "optax_muon", best["normuon"], best_adam,
+       seed=seed, **normuon)
+    for name, variant in ablations.items():
+      go(name, "optax_muon", lr, best_adam, seed=seed, **variant)
+    go(both, "optax_muon", best["normuon"], best_adam, seed=seed, cautious_weight_decay=True,
+       **normuon, **decay)
+  combined = "optax_muon NAdamW + polar_express"
+  for seed in seeds:
+    go(combined, "optax_muon", lr, best_adam, seed=seed, adam_nesterov=True,
+       ns_coeffs="polar_express")
+  singles = {"optax_muon sum momentum": (lr, dict(momentum="sum")),
+             "optax_muon rms scale @ AdamW lr": (best_adam, dict(consistent_rms=0.2))}
+  for name, (single_lr, variant) in singles.items():
+    go(name, "optax_muon", single_lr, best_adam, **variant)
 
-  # Summary: seeds averaged for the winners; the target is AdamW's final validation loss.
+  # Summary: seeds averaged; the target is AdamW's final validation loss.
   def runs_of(prefix):
     return [r for k, r in results.items() if k.startswith(prefix + " seed=")]
 
@@ -155,28 +241,27 @@ def main(argv=None) -> dict:
   winners = {"AdamW": f"adamw lr={best_adam:g}",
              "optax_muon.muon": f"optax_muon lr={best['optax_muon']:g}",
              "optax.contrib.muon": f"contrib lr={best['contrib']:g}",
-             **{k: k for k in (*variants, "optax_muon rms scale @ AdamW lr")}}
+             "optax_muon NorMuon": f"optax_muon NorMuon lr={best['normuon']:g}",
+             **{k: k for k in (*ablations, both, combined, *singles)}}
   mean_curve = lambda rs: [(t, float(np.mean([r["curve"][k][1] for r in rs])))
                            for k, (t, _) in enumerate(rs[0]["curve"])]
   target = mean_curve(runs_of(winners["AdamW"]))[-1][1]
   for label, prefix in winners.items():
     rs = runs_of(prefix)
+    if not rs:  # --report of a partial run
+      continue
     reach = steps_to_reach(mean_curve(rs), target)
     rows.append({
         "optimizer": label, "lr": f"{rs[0]['lr']:g}", "seeds": len(rs),
         "final val loss": mean_curve(rs)[-1][1],
         "steps to AdamW's final": reach / budget.steps if reach else float("nan"),
         "ms/step": float(np.mean([r["seconds_per_step"] for r in rs])) * 1e3})
-  print(f"\nlearning rates swept: {sweeps} (AdamW parts of the Muon runs at {best_adam:g}); "
+  print(f"\nlearning rates run: {sweeps} (AdamW parts of the Muon runs at {best_adam:g}); "
         f"{budget.steps} steps; target = AdamW's final validation loss {target:.4f}")
   print(table(rows, list(rows[0]), {"final val loss": "{:.4f}",
                                     "steps to AdamW's final": "{:.2f}×", "ms/step": "{:.0f}"}))
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  summary = {"budget": {"steps": budget.steps, "batch_size": budget.batch_size,
-                        "model": dataclasses.asdict(budget.cfg)},
-             "best_lr": best, "swept": sweeps, "target": target, "table": rows,
-             "runs": results}
+  summary = {"budget": budget_key, "best_lr": best, "swept": sweeps, "target": target,
+             "table": rows, "runs": results}
   (out / "convergence.json").write_text(json.dumps(summary, indent=1))
   _plot(results, winners, out / "convergence.png")
   return summary

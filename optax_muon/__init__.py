@@ -16,6 +16,7 @@ from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz, ns_
 from optax_muon.routing import DEFAULT_ADAM_PATTERN, Route, route
 from optax_muon.summary import LeafSummary, RoutingSummary, summarize
 from optax_muon.transform import MuonState, MuonTransformation, scale_by_muon, scale_by_shape
+from optax_muon.weight_decay import add_cautious_decayed_weights
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "PRESET_NAMES",
     "Route",
     "RoutingSummary",
+    "add_cautious_decayed_weights",
     "diagnostics",
     "msign",
     "muon",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from optax_muon.coefficients import CoefficientsLike
 from optax_muon.routing import ADAM, DEFAULT_ADAM_PATTERN, MUON, route
 from optax_muon.transform import (MuonTransformation, check_number, scale_by_muon,
                                   state_dtype, with_config)
+from optax_muon.weight_decay import add_cautious_decayed_weights
 
 #: AdamW's epsilon when neither ``adam_eps`` nor ``eps`` is given (optax's default).
 ADAM_EPS = 1e-8
@@ -80,6 +82,9 @@ def muon(
     replica_policy: str = "split",
     wire_dtype: jax.typing.DTypeLike | None = None,
     exchange: str = "group",
+    normalization: str | None = None,
+    normalization_beta: jax.typing.ArrayLike = 0.95,
+    cautious_weight_decay: bool = False,
 ) -> MuonTransformation:
   """Muon for the network's matrices, AdamW for the rest.
 
@@ -123,6 +128,12 @@ def muon(
     adam_nesterov: use NAdamW (optax.contrib.muon's choice) instead of AdamW.
     param_shardings, replica_policy, wire_dtype, exchange: sharding options, see
       ``scale_by_muon``.
+    normalization, normalization_beta: ``"neuron"`` for NorMuon on the Muon leaves, see
+      ``scale_by_muon``.
+    cautious_weight_decay: apply both weight decays (``weight_decay``,
+      ``adam_weight_decay``) only where the parameter and the update (before the learning
+      rate) agree in sign: W ← W − η·λ·W·[W ⊙ U ≥ 0] − η·U (see
+      ``weight_decay.add_cautious_decayed_weights``).
 
   Returns:
     A ``MuonTransformation``; ``summarize(params, tx)`` shows where every leaf goes.
@@ -150,6 +161,8 @@ def muon(
 
     DeepSeek-AI, `DeepSeek-V4 technical report`, 2026 (hybrid Newton–Schulz schedule:
     ``ns_coeffs="deepseek_v4"``).
+
+    Chen et al., `Cautious Weight Decay <https://arxiv.org/abs/2510.12402>`_, 2025.
   """
   check_number("adam_b1", adam_b1, 0.0, 1.0)
   check_number("adam_b2", adam_b2, 0.0, 1.0)
@@ -163,7 +176,8 @@ def muon(
       consistent_rms=consistent_rms, momentum=momentum, bias_correction=bias_correction,
       compute_dtype=compute_dtype, method=method, gram_restart=gram_restart, scale=scale,
       bucket=bucket, param_shardings=param_shardings, replica_policy=replica_policy,
-      wire_dtype=wire_dtype, exchange=exchange)
+      wire_dtype=wire_dtype, exchange=exchange, normalization=normalization,
+      normalization_beta=normalization_beta)
 
   def router(params):
     return route(params, labels=labels, weight_dimension_numbers=muon_weight_dimension_numbers,
@@ -176,14 +190,19 @@ def muon(
 
   # The decay stage is always there (even for λ = 0) so that the state's structure does
   # not depend on whether λ is a Python number or traced (optax.inject_hyperparams).
-  muon_chain = optax.chain(muon_tx, optax.add_decayed_weights(weight_decay, weight_decay_mask),
+  decay = add_cautious_decayed_weights if cautious_weight_decay else optax.add_decayed_weights
+  muon_chain = optax.chain(muon_tx, decay(weight_decay, weight_decay_mask),
                            optax.scale_by_learning_rate(learning_rate))
   if adam_eps is None:
     adam_eps = ADAM_EPS if eps is None else eps
-  adam_tx = with_float32_moments(optax.adamw(
-      learning_rate if adam_learning_rate is None else adam_learning_rate,
-      b1=adam_b1, b2=adam_b2, eps=adam_eps, eps_root=adam_eps_root,
-      mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype),
-      weight_decay=adam_weight_decay, mask=adam_weight_decay_mask, nesterov=adam_nesterov))
+  # optax.adamw's own chain, with the decay stage chosen above.
+  adam_tx = with_float32_moments(optax.chain(
+      optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps, eps_root=adam_eps_root,
+                          mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype),
+                          nesterov=adam_nesterov),
+      decay(adam_weight_decay, adam_weight_decay_mask),
+      optax.scale_by_learning_rate(
+          learning_rate if adam_learning_rate is None else adam_learning_rate)))
   tx = optax.partition({MUON: muon_chain, ADAM: adam_tx}, param_labels)
-  return with_config(tx, muon_tx.muon_config, router)
+  return with_config(tx, dataclasses.replace(
+      muon_tx.muon_config, cautious_weight_decay=cautious_weight_decay), router)

@@ -68,10 +68,13 @@ class RoutingSummary:
   Attributes:
     rows: one per leaf.
     plan: the orthogonalization plan of the Muon leaves, if any.
+    notes: footer lines naming the options that change the update (NorMuon, cautious
+      weight decay) and the leaves they apply to.
   """
 
   rows: tuple[LeafSummary, ...]
   plan: Plan | None = None
+  notes: tuple[str, ...] = ()
 
   def by_optimizer(self, optimizer: str) -> list[LeafSummary]:
     return [r for r in self.rows if r.optimizer == optimizer]
@@ -102,7 +105,19 @@ class RoutingSummary:
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer])
+    return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer, *self.notes])
+
+
+def _notes(config: MuonConfig, rows: list[LeafSummary]) -> tuple[str, ...]:
+  notes = []
+  if config.normalization == "neuron":
+    n_muon = sum(r.optimizer == MUON for r in rows)
+    notes.append(f"NorMuon on all Muon leaves ({n_muon}): updates normalized per output "
+                 "neuron after NS.")
+  if config.cautious_weight_decay:
+    notes.append("Cautious weight decay: Muon and AdamW leaves are decayed only where the "
+                 "parameter and the update agree in sign.")
+  return tuple(notes)
 
 
 def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
@@ -154,7 +169,7 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
           ns_flops=layout.batch * config.ns.flops(m, n, layout.dtype),
           placement=plan.leaf_placement(plan_index[i]) if i in plan_index else "")
     rows.append(row)
-  summary = RoutingSummary(tuple(rows), plan)
+  summary = RoutingSummary(tuple(rows), plan, _notes(config, rows))
   if print_table:
     print(summary)
   return summary

@@ -16,6 +16,7 @@ from optax_muon.distributed import orthogonalize
 from optax_muon.layout import (SCALE_KINDS, MatrixLayout, make_layout,
                                resolve_dimension_numbers, scale_factor)
 from optax_muon.newton_schulz import GRAM_RESTART
+from optax_muon.normalization import NORMALIZATIONS, init_moment, normalize_neurons
 from optax_muon.orthogonalize import NSOptions
 from optax_muon.plan import Plan, build_plan, validate_options
 from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
@@ -29,6 +30,9 @@ class MuonState(NamedTuple):
 
   count: jax.Array  # shape=(), dtype=int32; steps taken.
   mu: optax.Updates  # the momentum; the params' tree and shapes, dtype mu_dtype or theirs.
+  # NorMuon's per-neuron second moments (normalization="neuron"): the params' tree, each
+  # leaf's shape with its input axes 1, float32 (float64 for float64 leaves); else None.
+  nu: optax.Updates | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,9 @@ class MuonConfig:
     replica_policy: ``"split"`` or ``"redundant"`` (see ``plan``).
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
     exchange: ``"group"`` or ``"bucket"`` (see ``plan.Plan``).
+    normalization: ``None`` or ``"neuron"`` (NorMuon; see ``normalization``).
+    cautious_weight_decay: set by ``muon``: weight decay only where the parameter and the
+      update agree in sign (see ``weight_decay``).
   """
 
   ns: NSOptions
@@ -55,6 +62,8 @@ class MuonConfig:
   replica_policy: str = "split"
   wire_dtype: Any = None
   exchange: str = "group"
+  normalization: str | None = None
+  cautious_weight_decay: bool = False
 
   def layouts(self, tree: Any, selected: list[bool] | None = None
               ) -> list[MatrixLayout | None]:
@@ -166,6 +175,18 @@ def state_dtype(dtype: Any, mu_dtype: Any = None) -> jnp.dtype:
   return dtype
 
 
+def _own_sharding(x) -> Any:
+  """A leaf's ``NamedSharding``: a concrete array's or struct's own, a traced leaf's typed
+  one on an Explicit mesh; else None."""
+  if isinstance(x, jax.core.Tracer):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    explicit = sharding is not None and not sharding.mesh.empty and all(
+        t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    return sharding if explicit else None
+  sharding = getattr(x, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
 def _zeros_like(x, dtype):
   if isinstance(x, jax.ShapeDtypeStruct):
     return jnp.zeros(x.shape, dtype, device=x.sharding)
@@ -234,6 +255,8 @@ def scale_by_muon(
     replica_policy: str = "split",
     wire_dtype: jax.typing.DTypeLike | None = None,
     exchange: str = "group",
+    normalization: str | None = None,
+    normalization_beta: jax.typing.ArrayLike = 0.95,
 ) -> MuonTransformation:
   """Muon's direction: orthogonalized momentum, optionally scaled by the matrix shape.
 
@@ -245,6 +268,9 @@ def scale_by_muon(
     ema:  m ← β·m + (1−β)·g;  n = (1−β)·g + β·m   (Nesterov; n = m without)
     sum:  m ← β·m + g;        n = g + β·m         (Nesterov; n = m without)
     update = factor(n_in, n_out) · NS(n)          (· ⟨n, NS(n)⟩ with ``adaptive``)
+
+  With ``normalization="neuron"`` (NorMuon), NS(n) is replaced by its neuron-normalized
+  Ô before the factor (and ``adaptive``'s inner product): see ``normalize_neurons``.
 
   Args:
     ns_coeffs: NS coefficients: a preset name (``"jordan"`` = optax's ``"standard"``,
@@ -290,6 +316,10 @@ def scale_by_muon(
       balanced over all shapes at once; one for the whole tree on FSDP/TP meshes) or
       ``"bucket"`` (one each way per same-shape bucket, each spread evenly: only one
       bucket's buffers live at a time, less balance).
+    normalization: ``None``, or ``"neuron"`` for NorMuon: after NS, divide each output
+      neuron's update by the root of an EMA of its mean square, then restore the matrix's
+      Frobenius norm. Adds the state field ``nu``.
+    normalization_beta: β₂ of NorMuon's second-moment EMA, in [0, 1).
 
   Returns:
     A ``MuonTransformation`` (an ``optax.GradientTransformationExtraArgs``).
@@ -323,6 +353,9 @@ def scale_by_muon(
 
     Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application
     to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
+
+    Li et al., `NorMuon: Making Muon more efficient and scalable
+    <https://arxiv.org/abs/2510.05491>`_, 2025.
   """
   if momentum not in MOMENTUM_KINDS:
     raise ValueError(f"momentum must be one of {MOMENTUM_KINDS}, got {momentum!r}.")
@@ -331,7 +364,10 @@ def scale_by_muon(
   if consistent_rms is not None and scale == "spectral":
     raise ValueError("consistent_rms replaces the shape scale; pass it or "
                      "scale='spectral', not both.")
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}.")
   check_number("beta", beta, 0.0, 1.0)
+  check_number("normalization_beta", normalization_beta, 0.0, 1.0)
   check_number("eps", eps, 0.0)
   check_number("consistent_rms", consistent_rms, 0.0, low_open=True)
   validate_options(replica_policy, exchange)
@@ -343,12 +379,22 @@ def scale_by_muon(
       scale=scale, consistent_rms=consistent_rms,
       weight_dimension_numbers=weight_dimension_numbers, param_shardings=param_shardings,
       replica_policy=replica_policy,
-      wire_dtype=None if wire_dtype is None else jnp.dtype(wire_dtype), exchange=exchange)
+      wire_dtype=None if wire_dtype is None else jnp.dtype(wire_dtype), exchange=exchange,
+      normalization=normalization)
 
   def init_fn(params):
-    config.layouts(params)  # Validates every leaf now rather than at the first update.
+    layouts = config.layouts(params)  # Validates every leaf now, not at the first update.
     mu = jax.tree.map(lambda x: _zeros_like(x, state_dtype(x.dtype, mu_dtype)), params)
-    return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
+    nu = None
+    if normalization is not None:
+      positions, treedef = tree_utils.flatten_positions(params)
+      given = resolve_param_shardings(param_shardings, params) or [None] * len(positions)
+      nu = jax.tree_util.tree_unflatten(treedef, [
+          leaf if layout is None else init_moment(
+              layout, state_dtype(jnp.finfo(leaf.dtype).dtype), s or _own_sharding(leaf),
+              traced=isinstance(leaf, jax.core.Tracer))
+          for (_, leaf), layout, s in zip(positions, layouts, given)])
+    return MuonState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -373,7 +419,14 @@ def scale_by_muon(
 
     out_updates = [leaf for _, leaf in positions]
     out_mu = [leaf for _, leaf in mu_positions]
+    out_nu = None if normalization is None else [
+        leaf for _, leaf in tree_utils.flatten_positions(state.nu)[0]]
     for k, i in enumerate(index):
+      if normalization is not None:
+        orthogonal[k], out_nu[i] = normalize_neurons(
+            orthogonal[k], out_nu[i], normalization_beta, layouts[i],
+            LeafSharding(given[i].mesh, dim_axes_of(given[i].spec, grads[k].ndim))
+            if manual and given[i] is not None else None)
       update = config.factor(layouts[i]) * orthogonal[k]
       if adaptive:
         dual = jnp.sum(jnp.conj(ns_inputs[k]).astype(update.dtype) * orthogonal[k])
@@ -384,7 +437,9 @@ def scale_by_muon(
       out_updates[i] = update.astype(grads[k].dtype)
       out_mu[i] = new_mu[k].astype(mu_positions[i][1].dtype)
     return (jax.tree_util.tree_unflatten(treedef, out_updates),
-            MuonState(count=count, mu=jax.tree_util.tree_unflatten(treedef, out_mu)))
+            MuonState(count=count, mu=jax.tree_util.tree_unflatten(treedef, out_mu),
+                      nu=None if out_nu is None else jax.tree_util.tree_unflatten(treedef,
+                                                                                  out_nu)))
 
   return with_config(optax.GradientTransformationExtraArgs(init_fn, update_fn), config)
 

@@ -198,3 +198,65 @@ def test_diagnostics():
   assert om.diagnostics(u, jordan, params)["orthogonality_error"] > 0.05
   with pytest.raises(ValueError, match="'embed/embedding' is not a Muon leaf"):
     om.diagnostics(updates, tx, params, sample="embed/embedding")
+
+
+def test_cautious_weight_decay_matches_numpy_reference():
+  """W ← W − η·λ·W·[W ⊙ U ≥ 0] − η·U on both branches, U the direction before η."""
+  params = _params()
+  lr, wd, adam_lr, adam_wd = 0.05, 0.3, 0.003, 0.2
+  tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
+               ns_coeffs="polar_express", ns_steps=8, cautious_weight_decay=True)
+  adam_dir = optax.scale_by_adam()
+  muon_dir = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale="jordan")
+  adam_keys = ("embed", "norm", "lm_head")
+  s = tx.init(params)
+  s_adam = adam_dir.init({k: params[k] for k in adam_keys})
+  s_muon = muon_dir.init({"w": params["layer"]["kernel"]})
+  masks = []
+  for t in range(3):
+    g = _grads(params, t)
+    u, s = tx.update(g, s, params)
+    u_adam, s_adam = adam_dir.update({k: g[k] for k in adam_keys}, s_adam)
+    u_muon, s_muon = muon_dir.update({"w": g["layer"]["kernel"]}, s_muon)
+    for k in adam_keys:
+      for a, d, w in zip(jax.tree.leaves(u[k]), jax.tree.leaves(u_adam[k]),
+                         jax.tree.leaves(params[k])):
+        d, w = np.asarray(d, np.float64), np.asarray(w, np.float64)
+        assert rel_err(a, -adam_lr * (d + adam_wd * w * (w * d >= 0))) < 1e-6, k
+    d, w = np.asarray(u_muon["w"], np.float64), np.asarray(params["layer"]["kernel"], np.float64)
+    masks.append(w * d >= 0)
+    assert rel_err(u["layer"]["kernel"], -lr * (d + wd * w * masks[-1])) < 1e-6
+    params = optax.apply_updates(params, u)
+  assert 0.2 < np.mean(masks) < 0.8  # the mask really selects: neither all nor none
+
+
+def test_cautious_weight_decay_keeps_the_state_structure():
+  params = _params()
+  plain = om.muon(0.02, weight_decay=0.1)
+  cautious = om.muon(0.02, weight_decay=0.1, cautious_weight_decay=True)
+  injected = optax.inject_hyperparams(om.muon)(learning_rate=0.02, weight_decay=0.1,
+                                               cautious_weight_decay=True)
+  assert jax.tree.structure(plain.init(params)) == jax.tree.structure(cautious.init(params))
+  assert (jax.tree.structure(injected.init(params).inner_state)
+          == jax.tree.structure(cautious.init(params)))
+  u1, _ = cautious.update(_grads(params, 0), cautious.init(params), params)
+  u2, _ = injected.update(_grads(params, 0), injected.init(params), params)
+  for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+    assert rel_err(a, b) < 1e-4  # injected b2 = 0.999 in float32: 1 − b2ᵗ is off by ~7e-6
+  with pytest.raises(ValueError, match="weight_decay: cautious weight decay takes a number"):
+    om.muon(0.02, weight_decay=optax.constant_schedule(0.1), cautious_weight_decay=True)
+
+
+def test_summary_names_normuon_and_cautious_decay():
+  params = _params()
+  text = str(om.summarize(params, om.muon(0.02, normalization="neuron",
+                                          cautious_weight_decay=True)))
+  assert text.splitlines()[-2] == ("NorMuon on all Muon leaves (1): updates normalized per "
+                                   "output neuron after NS.")
+  assert text.splitlines()[-1].startswith("Cautious weight decay: Muon and AdamW leaves")
+  plain = om.summarize(params, om.muon(0.02))
+  assert plain.notes == () and "NorMuon" not in str(plain)
+  stack = om.summarize({"w": jnp.zeros((2, 8, 8))}, om.scale_by_muon(
+      normalization="neuron", weight_dimension_numbers=DN(1, 2)))
+  assert stack.notes == ("NorMuon on all Muon leaves (1): updates normalized per output "
+                         "neuron after NS.",)

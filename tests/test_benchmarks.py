@@ -1,5 +1,6 @@
 """The benchmarks run in their --quick modes (they print tables; no timing is asserted)."""
 
+import json
 import pathlib
 import sys
 
@@ -45,4 +46,17 @@ def test_convergence_quick(tmp_path):
   labels = [r["optimizer"] for r in summary["table"]]
   assert labels[:3] == ["AdamW", "optax_muon.muon", "optax.contrib.muon"]
   assert summary["table"][0]["steps to AdamW's final"] == 1.0  # AdamW reaches its own final
+  assert {"optax_muon NorMuon", "optax_muon cautious weight decay 0.1",
+          "optax_muon weight decay 0.1", "optax_muon NorMuon + cautious weight decay 0.1",
+          "optax_muon NAdamW on AdamW leaves", "optax_muon polar_express",
+          "optax_muon NAdamW + polar_express"} <= set(labels)
+  runs = summary["runs"]
+  assert "'cautious_weight_decay': True" in runs[
+      "optax_muon cautious weight decay 0.1 seed=0"]["variant"]
+  assert "'normalization': 'neuron'" in runs["optax_muon NorMuon lr=0.02 seed=0"]["variant"]
+  # Each finished run is saved at once; --resume reuses them instead of training again.
+  again = convergence.main(["--quick", "--out", str(tmp_path), "--resume"])
+  assert json.dumps(again["table"]) == json.dumps(summary["table"])  # NaN-safe
+  report = convergence.main(["--quick", "--out", str(tmp_path), "--report"])  # trains nothing
+  assert json.dumps(report["table"]) == json.dumps(summary["table"])
   assert (tmp_path / "convergence.png").exists() and (tmp_path / "convergence.json").exists()

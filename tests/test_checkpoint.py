@@ -4,6 +4,7 @@ bit-identically to an uninterrupted one."""
 import jax
 import numpy as np
 import optax
+import pytest
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -11,7 +12,9 @@ import optax_muon as om
 from trees import gpt_tree, random_like
 
 
-def test_restore_continues_bit_identically(tmp_path):
+@pytest.mark.parametrize("variants", [{}, {"normalization": "neuron",
+                                          "cautious_weight_decay": True}])
+def test_restore_continues_bit_identically(tmp_path, variants):
   mesh = jax.make_mesh((8,), ("fsdp",))
   params = gpt_tree(32, 4)
   shardings = jax.tree.map(
@@ -19,7 +22,8 @@ def test_restore_continues_bit_identically(tmp_path):
   params = jax.tree.map(jax.device_put, params, shardings)
   grads = [jax.tree.map(jax.device_put, random_like(params, 20 + t), shardings)
            for t in range(4)]
-  tx = om.muon(optax.linear_schedule(0.05, 0.01, 4), weight_decay=0.01, mu_dtype="bfloat16")
+  tx = om.muon(optax.linear_schedule(0.05, 0.01, 4), weight_decay=0.01, mu_dtype="bfloat16",
+               **variants)
 
   with jax.set_mesh(mesh):
     update = jax.jit(lambda g, s, p: _apply(tx, g, s, p))

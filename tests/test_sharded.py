@@ -415,3 +415,113 @@ def test_floors_at_scale_trees_on_eight_devices(tree):
       for t in range(2):
         updates, state = jax.jit(tx.update)(put(grads[t]), state, sharded)
     _compare(updates, reference)
+
+
+VARIANTS = dict(normalization="neuron", cautious_weight_decay=True, weight_decay=0.1,
+                adam_weight_decay=0.1)
+
+
+def _moment_spec(param_spec, input_axis, ndim):
+  """The params' spec with the input axis replicated: NorMuon's state."""
+  axes = dim_axes_of(param_spec, ndim)
+  return P(*[None if d == input_axis or not a else a[0] if len(a) == 1 else a
+             for d, a in enumerate(axes)])
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("case", ["fsdp8", "fsdp4xtp2", "fsdp8-stacked-matrix-axis"])
+def test_normuon_and_cautious_decay_sharded_equal_single_device(case, axis_type):
+  """Updates and NorMuon's state equal the single-device ones; the state is sharded like
+  the params' output axes; NorMuon adds only small all-reduces (no gather)."""
+  shape, names, stacked, specs_fn, policy = CASES[case]
+  params, dims = _tree(stacked)
+  grads = [random_like(params, 10 + t) for t in range(2)]
+  tx1 = om.muon(0.1, muon_weight_dimension_numbers=dims, method="standard", **VARIANTS)
+  state1 = tx1.init(params)
+  for t in range(2):
+    reference, state1 = jax.jit(tx1.update)(grads[t], state1, params)
+
+  mesh = _mesh(shape, names, axis_type)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  explicit = axis_type == AxisType.Explicit
+  sharded_params = put(params)
+  compiled = {}
+  for name, variants in (("plain", {}), ("variants", VARIANTS)):
+    tx = om.muon(0.1, muon_weight_dimension_numbers=dims, method="standard",
+                 replica_policy=policy, param_shardings=None if explicit else shardings,
+                 **variants)
+    with jax.set_mesh(mesh):
+      state = jax.jit(tx.init)(sharded_params)
+      update = jax.jit(tx.update)
+      for t in range(2):
+        updates, state = update(put(grads[t]), state, sharded_params)
+      compiled[name] = hlo_cost.analyze(
+          update.lower(put(grads[0]), state, sharded_params).compile(), 8)
+  _compare(updates, reference)
+  nu, nu1 = (s.inner_states["muon"].inner_state[0].nu for s in (state, state1))
+  _compare(nu, nu1)
+
+  flat_specs = {jax.tree_util.keystr(p, simple=True, separator="/"): s for p, s in
+                jax.tree_util.tree_leaves_with_path(specs_fn(params))}
+  assert len(jax.tree.leaves(nu)) == len(om.summarize(params, tx).by_optimizer("muon"))
+  for path, v in jax.tree_util.tree_leaves_with_path(nu):
+    key = jax.tree_util.keystr(path, simple=True, separator="/")
+    input_axis = 1 if v.ndim == 3 else 0  # stacked leaves: DN(1, 2)
+    assert v.shape[input_axis] == 1
+    want = NamedSharding(mesh, _moment_spec(flat_specs[key], input_axis, v.ndim))
+    assert v.sharding.is_equivalent_to(want, v.ndim), key
+  plain, variants = compiled["plain"], compiled["variants"]
+  assert variants.dot_flops == plain.dot_flops and variants.collectives_in_loops == 0
+  moving = lambda cost: sorted((c.kind, c.output_bytes) for c in cost.collectives
+                               if c.kind != "all-reduce")
+  assert moving(variants) == moving(plain)  # no gather beyond NS's own exchange
+
+
+def test_normuon_and_cautious_decay_in_shard_map_match_single_device():
+  """Inside the user's shard_map (FSDP × TP: input and output axes split): psums complete
+  NorMuon's sums; equal to the single-device result."""
+  params, dims = _tree(False)
+  grads = [random_like(params, 10 + t) for t in range(2)]
+  tx1 = om.muon(0.1, method="standard", **VARIANTS)
+  state1 = tx1.init(params)
+  for t in range(2):
+    reference, state1 = jax.jit(tx1.update)(grads[t], state1, params)
+  mesh = _mesh((4, 2), ("fsdp", "tp"), AxisType.Explicit)
+  specs = _megatron_specs(params)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  tx = om.muon(0.1, method="standard", param_shardings=shardings, **VARIANTS)
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  sharded = put(params)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded)
+  state_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
+
+  @jax.jit
+  def step(grads, state, params):
+    return jax.shard_map(tx.update, mesh=mesh, in_specs=(specs, state_specs, specs),
+                         out_specs=(specs, state_specs))(grads, state, params)
+
+  with jax.set_mesh(mesh):
+    for t in range(2):
+      updates, state = step(put(grads[t]), state, sharded)
+  _compare(updates, reference)
+  _compare(state.inner_states["muon"].inner_state[0].nu,
+           state1.inner_states["muon"].inner_state[0].nu)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_normuon_state_sharded_at_init_eager_and_abstract(axis_type):
+  """Eager init on sharded arrays, on ShapeDtypeStructs, and eval_shape (for checkpoint
+  restore targets) all give NorMuon's state the params' output-axis sharding."""
+  mesh = _mesh((4, 2), ("fsdp", "tp"), axis_type)
+  sharding = NamedSharding(mesh, P("fsdp", "tp"))
+  params = {"w": jax.device_put(jnp.ones((16, 8)), sharding)}
+  structs = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=sharding)}
+  tx = om.scale_by_muon(normalization="neuron")
+  want = NamedSharding(mesh, P(None, "tp"))
+  for state in (tx.init(params), tx.init(structs)):
+    assert state.nu["w"].shape == (1, 8) and state.nu["w"].sharding.is_equivalent_to(want, 2)
+  if axis_type == AxisType.Explicit:
+    abstract = jax.eval_shape(tx.init, structs).nu["w"]
+    assert abstract.shape == (1, 8) and abstract.sharding.spec == P(None, "tp")

@@ -222,3 +222,79 @@ def test_bad_options():
     om.scale_by_muon(scale="shape")
   with pytest.raises(ValueError, match="Unknown Newton–Schulz preset"):
     om.scale_by_muon(ns_coeffs="jordan5")
+
+
+def _numpy_normuon(o, v, beta):
+  """NorMuon on one (n_in, n_out) matrix, written out: returns (Ô, v)."""
+  v = beta * v + (1 - beta) * np.mean(o**2, axis=0)
+  o_hat = o / (np.sqrt(v) + 1e-8)
+  return o_hat * np.linalg.norm(o) / np.linalg.norm(o_hat), v
+
+
+def test_normuon_matches_numpy_reference():
+  """2-D leaves, a stacked 3-D leaf and one with its output axis before its input axis."""
+  params = {"w": jnp.zeros((24, 40)), "v": jnp.zeros((40, 24)),
+            "stack": jnp.zeros((3, 16, 48)), "flipped": jnp.zeros((3, 40, 24))}
+  dims = {"w": None, "v": None, "stack": DN(1, 2), "flipped": DN(2, 1)}
+  beta, beta2, steps = 0.9, 0.8, 4
+  table = om.resolve_coefficients("polar_express", 6)
+  tx = om.scale_by_muon(beta=beta, momentum="sum", ns_coeffs="polar_express", ns_steps=6,
+                        scale="jordan", weight_dimension_numbers=dims,
+                        normalization="neuron", normalization_beta=beta2)
+  ours, state = _run(tx, params, steps=steps)
+  # Every leaf as (batch, n_in, n_out) matrices, and back.
+  to_mats = {"w": lambda x: x[None], "v": lambda x: x[None], "stack": lambda x: x,
+             "flipped": lambda x: np.swapaxes(x, 1, 2)}
+  mom = {k: np.zeros(v.shape) for k, v in params.items()}
+  nu = {k: np.zeros((to_mats[k](np.zeros(v.shape)).shape[0],
+                     to_mats[k](np.zeros(v.shape)).shape[2])) for k, v in params.items()}
+  for t in range(steps):
+    g = {k: np.asarray(v, np.float64) for k, v in _grads(params, t).items()}
+    for k in params:
+      mom[k] = beta * mom[k] + g[k]
+      mats = to_mats[k](beta * mom[k] + g[k])
+      expected = []
+      for b, n in enumerate(mats):
+        o_hat, nu[k][b] = _numpy_normuon(_numpy_ns(n, table.rows, table.safety, table.eps),
+                                         nu[k][b], beta2)
+        expected.append(np.sqrt(max(1, n.shape[1] / n.shape[0])) * o_hat)
+      got = to_mats[k](np.asarray(ours[t][k]))
+      assert rel_err(got, np.stack(expected)) < 1e-4, (t, k)
+  # The state: one second moment per output neuron, the input axes kept as size 1.
+  assert state.nu["w"].shape == (1, 40) and state.nu["stack"].shape == (3, 1, 48)
+  assert state.nu["flipped"].shape == (3, 40, 1)
+  np.testing.assert_allclose(np.asarray(state.nu["stack"])[:, 0], nu["stack"], rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(state.nu["flipped"])[..., 0], nu["flipped"],
+                             rtol=1e-4)
+
+
+def test_normuon_keeps_the_frobenius_norm_and_equalizes_neurons():
+  params = {"w": jnp.zeros((64, 32))}
+  plain = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8)
+  normed = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, normalization="neuron")
+  g = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 32)) *
+            jnp.linspace(0.1, 10.0, 32)}  # neurons of very different scale
+  u_plain, _ = plain.update(g, plain.init(params))
+  u, state = normed.update(g, normed.init(params))
+  assert np.isclose(jnp.linalg.norm(u["w"]), jnp.linalg.norm(u_plain["w"]), rtol=1e-5)
+  # One step: v = (1−β₂)·mean_i O_ij², so every neuron (column) ends with the same norm.
+  col = np.linalg.norm(np.asarray(u["w"]), axis=0)
+  assert np.allclose(col, col.mean(), rtol=1e-4)
+  assert state.nu["w"].shape == (1, 32) and state.nu["w"].dtype == jnp.float32
+
+
+def test_normuon_state_is_none_when_off_and_float32_for_16_bit_leaves():
+  params = {"w": jnp.zeros((8, 16), jnp.bfloat16)}
+  assert om.scale_by_muon().init(params).nu is None
+  state = om.scale_by_muon(normalization="neuron").init(params)
+  assert state.nu["w"].dtype == jnp.float32
+  u, state = om.scale_by_muon(normalization="neuron").update(
+      {"w": jnp.zeros((8, 16), jnp.bfloat16)}, state)
+  assert u["w"].dtype == jnp.bfloat16 and np.all(np.asarray(u["w"], np.float32) == 0)
+
+
+def test_normuon_bad_options():
+  with pytest.raises(ValueError, match="normalization must be one of"):
+    om.scale_by_muon(normalization="row")
+  with pytest.raises(ValueError, match=r"normalization_beta must lie in \[0.0, 1.0\)"):
+    om.scale_by_muon(normalization="neuron", normalization_beta=1.0)
