@@ -169,7 +169,9 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
     if step % args.eval_every == 0 or step == args.steps:
       curves["val_step"].append(step)
       curves["val_loss"].append(float(eval_loss(params, val_batch)))
-      bar.set_postfix(loss=f"{loss:.3f}", val=f"{curves['val_loss'][-1]:.3f}")
+      bar.set_postfix(loss=f"{loss:.3f}", val=f"{curves['val_loss'][-1]:.3f}",
+                      **({"max_logit": f"{curves['max_logit'][-1]:.1f}"} if "max_logit" in curves
+                         else {}))
   elapsed = time.perf_counter() - start
   curves["seconds_per_step"] = elapsed / max(1, args.steps - timed_from)
   return curves
