@@ -7,8 +7,11 @@ W = params + updates are rescaled per head:
 
     W_q[h] ← γ_h^α · W_q[h],    W_k[h] ← γ_h^(1−α) · W_k[h]
 
-Logits are bilinear in W_q and W_k, so the step's logits of head h scale by γ_h: at most τ.
-Heads with S_h ≤ τ are untouched (bit for bit). Under grouped-query attention (G query heads
+Logits are bilinear in W_q and W_k, so for the same inputs head h's logits scale by γ_h:
+the logits S_h was taken from end at most τ. S_h comes from the forward pass before the step's
+update (as in Kimi K2), so the growth that update itself brings is not seen: measured after
+the step, the largest logit sits at τ plus that growth. Heads with S_h ≤ τ are untouched (bit
+for bit). Under grouped-query attention (G query heads
 share one key head) query head h takes γ_h^α and the shared key takes (min over its group of
 γ)^(1−α): every head of the group then scales by at most γ_h, so all stay ≤ τ; the price is
 that the group's other heads lose a little more than they would alone.
@@ -284,10 +287,9 @@ def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike
 
   Returns:
     A ``QKClipTransformation`` (an ``optax.GradientTransformationExtraArgs``), stateless,
-    whose ``update`` takes the
-    maxima as ``attn_logit_max=``: a tree of per-head maxima, one ``layer_shape + (heads,)``
-    array per attention layer (query heads), matched to each projection by the longest
-    prefix of its path.
+    whose ``update`` takes the maxima as ``attn_logit_max=``: a tree with one
+    ``layer_shape + (heads,)`` array per attention layer (query heads), matched to each
+    projection by the longest prefix of its path.
 
   Raises:
     ValueError: for τ ≤ 0 or α outside [0, 1]; at init/update for a ``heads`` tree that does
