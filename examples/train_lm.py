@@ -9,7 +9,8 @@ curves) and ``<out>/train_lm.png`` (the plot).
 
 ``--qk-clip TAU`` adds a run of Muon with QK-clip at threshold TAU (``muon(...,
 qk_clip_threshold=TAU)``, fed each step's per-head logit maxima) and records, for every
-run, the largest attention logit per step in the JSON as ``"max_logit"``, plotted in
+run, the largest attention logit on each step's batch with the parameters the step ends
+with (a second forward pass) in the JSON as ``"max_logit"``, plotted in
 ``<out>/train_lm_max_logit.png``.
 
   python examples/train_lm.py                # default run, < 10 minutes on 2 CPU cores
