@@ -115,52 +115,6 @@ class GPT(nnx.Module):
     return (logits, {"blocks": maxima}) if with_logit_max else logits
 
 
-def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-  """table[tokens], with the output sharded like the tokens under an Explicit mesh."""
-  spec = jax.typeof(tokens).sharding.spec
-  if not any(spec):
-    return jnp.take(table, tokens, axis=0)
-  return table.at[tokens].get(out_sharding=P(*spec, None))
-
-
-class GPT(nnx.Module):
-  """Token and position embeddings, blocks, final norm and an untied output head."""
-
-  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs)
-    self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(),
-                                                        (cfg.seq_len, cfg.d_model)))
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-    self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
-
-  def __call__(self, tokens: jax.Array, *, with_logit_max: bool = False):
-    """Next-token logits; with ``with_logit_max``, also ``{"blocks": [S_0, S_1, ...]}``, each
-    block's per-head largest attention logit (``head_logit_max``): the shape QK-clip's
-    ``attn_logit_max`` takes, matched to ``blocks/i/q`` and ``blocks/i/k`` by path."""
-    x = embedding_lookup(self.embed.embedding[...], tokens) + self.pos_embed[: tokens.shape[1]]
-    maxima = []
-    for block in self.blocks:
-      if with_logit_max:
-        x, m = block(x, with_logit_max=True)
-        maxima.append(m)
-      else:
-        x = block(x)
-    logits = self.lm_head(self.ln_f(x))
-    return (logits, {"blocks": maxima}) if with_logit_max else logits
-
-
-def qk_clip_heads(params, n_heads: int):
-  """QK-clip's ``heads`` declaration for a ``GPT``'s params: each block's ``q`` and ``k``
-  kernels, heads along the output axis."""
-  def heads(path, _):
-    name = path[-3].key if len(path) >= 3 else None  # blocks/i/<name>/kernel/value
-    if path[0].key == "blocks" and name in ("q", "k") and path[-2].key == "kernel":
-      return optax_muon.QKClipHeads("query" if name == "q" else "key", num_heads=n_heads)
-    return None
-  return jax.tree_util.tree_map_with_path(heads, params)
-
-
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
   """Mean next-byte cross-entropy (nats) of a (batch, seq_len + 1) token array."""
   return cross_entropy(model(batch[:, :-1]), batch)
