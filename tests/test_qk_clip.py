@@ -239,3 +239,25 @@ def test_sharded_equals_single_device_without_collectives(axis_type):
 def test_docstring_examples():
   module = importlib.import_module("optax_muon.qk_clip")  # the package exports the function
   assert doctest.testmod(module).failed == 0
+
+
+def test_inside_shard_map_with_local_heads():
+  """In a shard_map train step each device declares and reports the heads it holds."""
+  params = {"q": _normal(0, (D, 8 * DH)), "k": _normal(1, (D, 8 * DH))}
+  updates = jax.tree.map(lambda x: 0.1 * jnp.sin(x), params)
+  maxima = jnp.arange(8.0) * 4  # heads 3..7 over τ = 10
+  full = om.qk_clip(10.0, heads={"q": H("query", num_heads=8), "k": H("key", num_heads=8)})
+  want, _ = full.update(updates, optax.EmptyState(), params, attn_logit_max=maxima)
+  local = om.qk_clip(10.0, heads={"q": H("query", num_heads=1), "k": H("key", num_heads=1)})
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  specs = {"q": P(None, "x"), "k": P(None, "x")}
+  step = jax.shard_map(lambda u, p, m: local.update(u, optax.EmptyState(), p,
+                                                    attn_logit_max=m)[0],
+                       mesh=mesh, in_specs=(specs, specs, P("x")), out_specs=specs)
+  put = lambda tree: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                                 tree, specs)
+  with jax.set_mesh(mesh):
+    got = jax.jit(step)(put(updates), put(params),
+                        jax.device_put(maxima, NamedSharding(mesh, P("x"))))
+  for name in params:
+    assert rel_err(got[name], want[name]) < 1e-6, name
