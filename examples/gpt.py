@@ -53,14 +53,31 @@ class Block(nnx.Module):
     self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
     self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, *, with_logit_max: bool = False):
+    """The block's output; with ``with_logit_max``, also ``head_logit_max`` of its attention."""
     b, t, d = x.shape
     h = self.ln1(x)
     split = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)
-    attn = jax.nn.dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)),
-                                        is_causal=True)
+    q, k = split(self.q(h)), split(self.k(h))
+    attn = jax.nn.dot_product_attention(q, k, split(self.v(h)), is_causal=True)
     x = x + self.o(attn.reshape(b, t, d))
-    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln2(x))))
+    x = x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln2(x))))
+    return (x, head_logit_max(q, k)) if with_logit_max else x
+
+
+def head_logit_max(q: jax.Array, k: jax.Array) -> jax.Array:
+  """Per head, the largest causal pre-softmax logit q_i·k_j/√head_dim over the batch.
+
+  Args:
+    q, k: (batch, seq, heads, head_dim) queries and keys.
+
+  Returns:
+    A (heads,) float32 array, without gradient (QK-clip's S_h).
+  """
+  t = q.shape[1]
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+  logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits / np.sqrt(q.shape[-1]), -jnp.inf)
+  return jax.lax.stop_gradient(jnp.max(logits, axis=(0, 2, 3)))
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -82,19 +99,38 @@ class GPT(nnx.Module):
     self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
     self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, *, with_logit_max: bool = False):
+    """Next-token logits; with ``with_logit_max``, also ``{"blocks": [S_0, S_1, ...]}``, each
+    block's per-head largest attention logit (``head_logit_max``): the shape QK-clip's
+    ``attn_logit_max`` takes, matched to ``blocks/i/q`` and ``blocks/i/k`` by path."""
     x = embedding_lookup(self.embed.embedding[...], tokens) + self.pos_embed[: tokens.shape[1]]
+    maxima = []
     for block in self.blocks:
-      x = block(x)
-    return self.lm_head(self.ln_f(x))
+      if with_logit_max:
+        x, m = block(x, with_logit_max=True)
+        maxima.append(m)
+      else:
+        x = block(x)
+    logits = self.lm_head(self.ln_f(x))
+    return (logits, {"blocks": maxima}) if with_logit_max else logits
 
 
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
   """Mean next-byte cross-entropy (nats) of a (batch, seq_len + 1) token array."""
-  logits = model(batch[:, :-1])
+  return cross_entropy(model(batch[:, :-1]), batch)
+
+
+def cross_entropy(logits: jax.Array, batch: jax.Array) -> jax.Array:
+  """Mean next-byte cross-entropy (nats) of ``logits`` for a (batch, seq_len + 1) array."""
   return jnp.mean(
       -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
                            batch[:, 1:, None], axis=-1))
+
+
+def loss_and_logit_max(model: GPT, batch: jax.Array) -> tuple[jax.Array, dict]:
+  """``loss_fn`` and the model's per-head attention logit maxima (for ``has_aux``)."""
+  logits, maxima = model(batch[:, :-1], with_logit_max=True)
+  return cross_entropy(logits, batch), maxima
 
 
 @nnx.jit

@@ -7,8 +7,15 @@ exactly one device. ``--sharding dp`` replicates the params (data parallel; Muon
 NS work over the replicas). The batch is always sharded. Writes ``<out>/train_lm.json`` (the
 curves) and ``<out>/train_lm.png`` (the plot).
 
+``--qk-clip TAU`` adds a run of Muon with QK-clip at threshold TAU (``muon(...,
+qk_clip_threshold=TAU)``, fed each step's per-head logit maxima) and records, for every
+run, the largest attention logit on each step's batch with the parameters the step ends
+with (a second forward pass) in the JSON as ``"max_logit"``, plotted in
+``<out>/train_lm_max_logit.png``.
+
   python examples/train_lm.py                # default run, < 10 minutes on 2 CPU cores
   python examples/train_lm.py --quick        # a smoke run of a few seconds
+  python examples/train_lm.py --qk-clip 30   # also Muon with QK-clip at τ = 30
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402  (XLA_FLAGS must be set first)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -32,7 +40,8 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
-from gpt import GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus  # noqa: E402
+from gpt import (GPT, GPTConfig, batches, eval_windows, loss_and_logit_max, loss_fn,  # noqa: E402
+                 stdlib_corpus)
 from plotting import save_loss_plot  # noqa: E402
 
 
@@ -53,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--sharding", choices=("fsdp", "dp"), default="fsdp",
                       help="fsdp: params sharded over the devices; dp: params replicated")
+  parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                      help="add a Muon run with QK-clip at threshold TAU and record every "
+                      "run's largest attention logit per step")
   args = parser.parse_args(argv)
   if args.quick:
     args.d_model, args.layers, args.batch_size, args.seq_len, args.eval_every = 32, 2, 16, 64, 10
@@ -61,16 +73,35 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def make_optimizers(args) -> dict[str, optax.GradientTransformation]:
-  """Muon (this package's defaults) and AdamW, on the same warmup + cosine schedule."""
+def qk_clip_heads(n_heads: int):
+  """QK-clip's ``heads`` for the GPT's params: every block's ``q`` and ``k`` kernels
+  (``blocks/i/q/kernel``), heads on the output axis."""
+  roles = {"q": "query", "k": "key"}
+
+  def heads(path, _):
+    keys = [getattr(k, "key", None) for k in path]
+    if keys[0] == "blocks" and keys[2] in roles and keys[3] == "kernel":
+      return optax_muon.QKClipHeads(roles[keys[2]], num_heads=n_heads)
+    return None
+
+  return lambda params: jax.tree_util.tree_map_with_path(heads, params)
+
+
+def make_optimizers(args, cfg: GPTConfig) -> dict[str, optax.GradientTransformation]:
+  """Muon (this package's defaults), with ``--qk-clip`` Muon with QK-clip, and AdamW, on the
+  same warmup + cosine schedule."""
   warmup = max(1, args.steps // 20)
   schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, args.steps,
                                                              end_value=0.1 * peak)
-  return {
-      "muon": optax_muon.muon(schedule(args.muon_lr), adam_learning_rate=schedule(args.adam_lr),
-                              adam_b2=0.95),
-      "adamw": optax.adamw(schedule(args.adam_lr), b2=0.95),
-  }
+  muon = lambda **kw: optax_muon.muon(schedule(args.muon_lr),
+                                      adam_learning_rate=schedule(args.adam_lr), adam_b2=0.95,
+                                      **kw)
+  optimizers = {"muon": muon()}
+  if args.qk_clip is not None:
+    optimizers["muon+qk-clip"] = muon(qk_clip_threshold=args.qk_clip,
+                                      qk_clip_heads=qk_clip_heads(cfg.n_heads))
+  optimizers["adamw"] = optax.adamw(schedule(args.adam_lr), b2=0.95)
+  return optimizers
 
 
 def param_sharding(x: jax.Array, mesh, mode: str) -> NamedSharding:
@@ -86,14 +117,19 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
   graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(args.seed)), nnx.Param)
   params = jax.tree.map(lambda x: jax.device_put(x, param_sharding(x, mesh, args.sharding)),
                         params)
-  if name == "muon":
+  if name.startswith("muon"):
     optax_muon.summarize(params, tx, print_table=True)
   opt_state = jax.jit(tx.init)(params)
 
-  def loss_of(params, batch):
+  def model_of(params):
     # FSDP forward: gather each weight; the gradient flows back reduce-scattered.
-    full = jax.tree.map(lambda p: jax.reshard(p, P()), params)
-    return loss_fn(nnx.merge(graphdef, full), batch)
+    return nnx.merge(graphdef, jax.tree.map(lambda p: jax.reshard(p, P()), params))
+
+  def loss_of(params, batch):
+    return loss_fn(model_of(params), batch)
+
+  def largest_logit(params, batch):
+    return jnp.max(jnp.stack(jax.tree.leaves(loss_and_logit_max(model_of(params), batch)[1])))
 
   @jax.jit
   def train_step(params, opt_state, batch):
@@ -101,14 +137,31 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
+  @jax.jit
+  def train_step_with_logit_max(params, opt_state, batch):
+    """The step, fed the forward pass's per-head logit maxima (QK-clip uses them, the others
+    ignore them); also the largest logit on the step's batch with the params the step ends
+    with (after QK-clip's rescale): a second forward pass, not the clip's own arithmetic."""
+    (loss, maxima), grads = jax.value_and_grad(
+        lambda p: loss_and_logit_max(model_of(p), batch), has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params, attn_logit_max=maxima)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, loss, largest_logit(params, batch)
+
   eval_loss = jax.jit(loss_of)
   val_batch = jax.device_put(val_batch, data_sharding)
   stream = batches(train_data, args.batch_size, cfg.seq_len, seed=args.seed)
   curves = {"step": [], "train_loss": [], "val_step": [], "val_loss": []}
+  if args.qk_clip is not None:
+    curves["max_logit"] = []
   start, timed_from = None, 1  # the first step compiles; time the rest
   for step in (bar := tqdm(range(1, args.steps + 1), desc=name, dynamic_ncols=True)):
-    params, opt_state, loss = train_step(params, opt_state,
-                                         jax.device_put(next(stream), data_sharding))
+    batch = jax.device_put(next(stream), data_sharding)
+    if args.qk_clip is None:
+      params, opt_state, loss = train_step(params, opt_state, batch)
+    else:
+      params, opt_state, loss, max_logit = train_step_with_logit_max(params, opt_state, batch)
+      curves["max_logit"].append(float(max_logit))
     loss = float(loss)
     if step == timed_from:
       start = time.perf_counter()
@@ -117,7 +170,9 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
     if step % args.eval_every == 0 or step == args.steps:
       curves["val_step"].append(step)
       curves["val_loss"].append(float(eval_loss(params, val_batch)))
-      bar.set_postfix(loss=f"{loss:.3f}", val=f"{curves['val_loss'][-1]:.3f}")
+      bar.set_postfix(loss=f"{loss:.3f}", val=f"{curves['val_loss'][-1]:.3f}",
+                      **({"max_logit": f"{curves['max_logit'][-1]:.1f}"} if "max_logit" in curves
+                         else {}))
   elapsed = time.perf_counter() - start
   curves["seconds_per_step"] = elapsed / max(1, args.steps - timed_from)
   return curves
@@ -135,6 +190,15 @@ def plot(results: dict, path: pathlib.Path) -> None:
   save_loss_plot(path, lines, "next-byte loss (nats)")
 
 
+def plot_max_logit(results: dict, threshold: float, path: pathlib.Path) -> None:
+  """Each run's largest attention logit per step, and the QK-clip threshold."""
+  lines = [(c["step"], c["max_logit"], name, {"alpha": 0.8}) for name, c in results.items()]
+  steps = next(iter(results.values()))["step"]
+  lines.append(([steps[0], steps[-1]], [threshold] * 2, f"τ = {threshold:g}",
+                {"color": "black", "linestyle": "--"}))
+  save_loss_plot(path, lines, "largest attention logit after the step")
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
@@ -149,16 +213,19 @@ def main(argv=None) -> dict:
         f"{jax.device_count()} devices; model {dataclasses.asdict(cfg)}")
   results = {}
   with jax.set_mesh(mesh):
-    for name, tx in make_optimizers(args).items():
+    for name, tx in make_optimizers(args, cfg).items():
       results[name] = train(name, tx, cfg, args, train_data, val_batch, mesh)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "train_lm.json").write_text(json.dumps(
       {"args": vars(args), "model": dataclasses.asdict(cfg), "results": results}, indent=1))
   plot(results, out / "train_lm.png")
+  if args.qk_clip is not None:
+    plot_max_logit(results, args.qk_clip, out / "train_lm_max_logit.png")
   for name, c in results.items():
+    peak = f"; largest logit {max(c['max_logit']):.2f}" if "max_logit" in c else ""
     print(f"{name:6s} final validation loss {c['val_loss'][-1]:.4f}  "
-          f"({c['seconds_per_step'] * 1e3:.0f} ms/step)")
+          f"({c['seconds_per_step'] * 1e3:.0f} ms/step{peak})")
   print(f"wrote {out / 'train_lm.json'} and {out / 'train_lm.png'}")
   return results
 

@@ -11,6 +11,7 @@ import optax
 
 from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike
+from optax_muon.qk_clip import qk_clip, then_clip
 from optax_muon.routing import ADAM, DEFAULT_ADAM_PATTERN, MUON, route
 from optax_muon.transform import (MuonTransformation, check_number, scale_by_muon,
                                   state_dtype, with_config)
@@ -85,6 +86,9 @@ def muon(
     normalization: str | None = None,
     normalization_beta: jax.typing.ArrayLike = 0.95,
     cautious_weight_decay: bool = False,
+    qk_clip_threshold: jax.typing.ArrayLike | None = None,
+    qk_clip_alpha: jax.typing.ArrayLike = 0.5,
+    qk_clip_heads: Any = None,
 ) -> MuonTransformation:
   """Muon for the network's matrices, AdamW for the rest.
 
@@ -134,6 +138,11 @@ def muon(
       ``adam_weight_decay``) only where the parameter and the update (before the learning
       rate) agree in sign: W ← W − η·λ·W·[W ⊙ U ≥ 0] − η·U (see
       ``weight_decay.add_cautious_decayed_weights``).
+    qk_clip_threshold: τ for QK-clip (MuonClip, see ``qk_clip``), applied last, to the new
+      parameters; ``None``: off. ``update`` then takes ``attn_logit_max=``.
+    qk_clip_alpha: QK-clip's α, the query's share of the rescale.
+    qk_clip_heads: ``QKClipHeads`` per leaf (tree, prefix tree or callable): the query and
+      key projections and their head axes; required with ``qk_clip_threshold``.
 
   Returns:
     A ``MuonTransformation``; ``summarize(params, tx)`` shows where every leaf goes.
@@ -169,6 +178,10 @@ def muon(
   check_number("adam_eps", adam_eps, 0.0)
   check_number("weight_decay", weight_decay, 0.0)
   check_number("adam_weight_decay", adam_weight_decay, 0.0)
+  if (qk_clip_threshold is None) != (qk_clip_heads is None):
+    raise ValueError("qk_clip_threshold and qk_clip_heads go together: QK-clip needs both "
+                     f"(got qk_clip_threshold={qk_clip_threshold!r} and qk_clip_heads "
+                     f"{'given' if qk_clip_heads is not None else 'None'}).")
   muon_tx = scale_by_muon(
       ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
       preconditioning=preconditioning,
@@ -204,5 +217,9 @@ def muon(
       optax.scale_by_learning_rate(
           learning_rate if adam_learning_rate is None else adam_learning_rate)))
   tx = optax.partition({MUON: muon_chain, ADAM: adam_tx}, param_labels)
+  clip = None
+  if qk_clip_threshold is not None:
+    clip = qk_clip(qk_clip_threshold, qk_clip_alpha, heads=qk_clip_heads)
+    tx = then_clip(tx, clip)
   return with_config(tx, dataclasses.replace(
-      muon_tx.muon_config, cautious_weight_decay=cautious_weight_decay), router)
+      muon_tx.muon_config, cautious_weight_decay=cautious_weight_decay), router, clip)

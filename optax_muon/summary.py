@@ -12,6 +12,7 @@ from optax_muon import tree_utils
 from optax_muon.orthogonalize import canonical_shape
 from optax_muon.routing import ADAM, MUON, Route
 from optax_muon.plan import Plan
+from optax_muon.qk_clip import ROLES, resolve_projections
 from optax_muon.sharding import resolve_param_shardings
 from optax_muon.transform import MuonConfig, MuonTransformation
 
@@ -47,6 +48,7 @@ class LeafSummary:
     scale: the update-scale factor.
     ns_flops: NS FLOPs per step for the whole leaf.
     placement: where its matrices are orthogonalized (sharded leaves only).
+    qk_clip: its QK-clip role and heads (query and key projections only).
   """
 
   path: str
@@ -59,6 +61,7 @@ class LeafSummary:
   scale: float | None = None
   ns_flops: int | None = None
   placement: str = ""
+  qk_clip: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,7 @@ class RoutingSummary:
     rows: one per leaf.
     plan: the orthogonalization plan of the Muon leaves, if any.
     notes: footer lines naming the options that change the update (NorMuon, cautious
-      weight decay) and the leaves they apply to.
+      weight decay, QK-clip) and the leaves they apply to.
   """
 
   rows: tuple[LeafSummary, ...]
@@ -102,6 +105,8 @@ class RoutingSummary:
                  f"(lower bound {self.plan.ns_flops_bound() / 1e9:.3f}).")
     else:  # no sharded leaves: no placement column
       header, body = header[:-1], [row[:-1] for row in body]
+    if any(r.qk_clip for r in self.rows):
+      header, body = header + ("QK-clip",), [(*row, r.qk_clip) for row, r in zip(body, self.rows)]
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
     rule = "  ".join("-" * w for w in widths)
@@ -157,11 +162,15 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
     routes = tx.muon_router(params)
   layouts = config.layouts(params, [r is not None and r.label == MUON for r in routes])
   plan, plan_index = _plan(params, config, layouts)
+  clip = getattr(tx, "qk_clip", None)
+  projections = ([None] * len(positions) if clip is None
+                 else resolve_projections(clip.heads, params))
   rows = []
-  for i, ((_, leaf), r, layout) in enumerate(zip(positions, routes, layouts)):
+  for i, ((_, leaf), r, layout, p) in enumerate(zip(positions, routes, layouts, projections)):
     if r is None:
       continue
-    row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.label, r.reason)
+    row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.label, r.reason,
+                      qk_clip=p.describe() if p is not None else "")
     if layout is not None:
       m, n = canonical_shape(layout)
       row = dataclasses.replace(
@@ -169,7 +178,13 @@ def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
           ns_flops=layout.batch * config.ns.flops(m, n, layout.dtype),
           placement=plan.leaf_placement(plan_index[i]) if i in plan_index else "")
     rows.append(row)
-  summary = RoutingSummary(tuple(rows), plan, _notes(config, rows))
+  notes = _notes(config, rows)
+  if clip is not None:
+    roles = [p.role for p in projections if p is not None]
+    notes += (f"QK-clip (τ = {clip.threshold:g}, α = {clip.alpha:g}) on "
+              + ", ".join(f"{roles.count(role)} {role}" for role in ROLES if role in roles)
+              + " projections.",)
+  summary = RoutingSummary(tuple(rows), plan, notes)
   if print_table:
     print(summary)
   return summary

@@ -128,17 +128,20 @@ class MuonTransformation(optax.GradientTransformationExtraArgs):
     muon_config: the ``MuonConfig`` of its Muon part.
     muon_router: ``params -> list[Route]`` for ``muon``; ``None`` for ``scale_by_muon``,
       which orthogonalizes every leaf it is given.
+    qk_clip: ``muon``'s QK-clip transformation (``qk_clip.QKClipTransformation``), or None.
   """
 
   muon_config: MuonConfig
   muon_router: Any
+  qk_clip: Any
 
 
 def with_config(tx: optax.GradientTransformation, config: MuonConfig,
-                router: Any = None) -> MuonTransformation:
+                router: Any = None, qk_clip: Any = None) -> MuonTransformation:
   out = MuonTransformation(tx.init, tx.update)
   out.muon_config = config
   out.muon_router = router
+  out.qk_clip = qk_clip
   return out
 
 
