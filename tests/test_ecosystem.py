@@ -49,8 +49,8 @@ def test_inject_hyperparams_changes_learning_rate_at_run_time(data):
   tx = optax.inject_hyperparams(om.muon)(learning_rate=0.02, adam_learning_rate=3e-3)
   losses, model, opt = _train_nnx(tx, data)
   assert _went_down(losses), losses
-  opt.opt_state.hyperparams["learning_rate"].value = jnp.asarray(0.0)
-  opt.opt_state.hyperparams["adam_learning_rate"].value = jnp.asarray(0.0)
+  opt.opt_state.hyperparams["learning_rate"][...] = jnp.asarray(0.0)
+  opt.opt_state.hyperparams["adam_learning_rate"][...] = jnp.asarray(0.0)
   before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
   grads = nnx.grad(loss_fn)(model, data[0])
   opt.update(model, grads)
@@ -82,7 +82,7 @@ def test_apply_if_finite_skips_nan_steps(data):
   opt.update(model, bad)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
                                                    jax.tree.leaves(nnx.state(model, nnx.Param))))
-  assert int(opt.opt_state.notfinite_count.value) == 1
+  assert int(opt.opt_state.notfinite_count[...]) == 1
   losses = []
   for batch in data:
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
