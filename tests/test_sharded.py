@@ -214,15 +214,8 @@ def test_param_shardings_errors():
     om.muon(0.1, exchange="tree")
 
 
-def test_shard_map_train_step_matches_pjit():
-  """The optimizer inside the user's shard_map: local blocks in, collectives by axis name."""
-  params, dims = _tree(False)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  reference = _single_device(params, grads, dims)
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
-  specs = _fsdp_specs(params)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  tx = om.muon(0.1, method="standard", param_shardings=shardings)
+def _shard_map_steps(tx, mesh, specs, shardings, params, grads):
+  """``tx.update`` inside the user's own jitted ``shard_map``, one step per gradient."""
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   sharded = put(params)
   with jax.set_mesh(mesh):
@@ -235,8 +228,21 @@ def test_shard_map_train_step_matches_pjit():
                          out_specs=(specs, state_specs))(grads, state, params)
 
   with jax.set_mesh(mesh):
-    for t in range(2):
-      updates, state = step(put(grads[t]), state, sharded)
+    for g in grads:
+      updates, state = step(put(g), state, sharded)
+  return updates, state
+
+
+def test_shard_map_train_step_matches_pjit():
+  """The optimizer inside the user's shard_map: local blocks in, collectives by axis name."""
+  params, dims = _tree(False)
+  grads = [random_like(params, 10 + t) for t in range(2)]
+  reference = _single_device(params, grads, dims)
+  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
+  specs = _fsdp_specs(params)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  tx = om.muon(0.1, method="standard", param_shardings=shardings)
+  updates, state = _shard_map_steps(tx, mesh, specs, shardings, params, grads)
   _compare(updates, reference)
 
 
@@ -491,20 +497,7 @@ def test_normuon_and_cautious_decay_in_shard_map_match_single_device():
   specs = _megatron_specs(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   tx = om.muon(0.1, method="standard", param_shardings=shardings, **VARIANTS)
-  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
-  sharded = put(params)
-  with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(sharded)
-  state_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
-
-  @jax.jit
-  def step(grads, state, params):
-    return jax.shard_map(tx.update, mesh=mesh, in_specs=(specs, state_specs, specs),
-                         out_specs=(specs, state_specs))(grads, state, params)
-
-  with jax.set_mesh(mesh):
-    for t in range(2):
-      updates, state = step(put(grads[t]), state, sharded)
+  updates, state = _shard_map_steps(tx, mesh, specs, shardings, params, grads)
   _compare(updates, reference)
   _compare(state.inner_states["muon"].inner_state[0].nu,
            state1.inner_states["muon"].inner_state[0].nu)
