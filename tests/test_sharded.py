@@ -141,7 +141,8 @@ def test_sharded_equals_single_device(case, axis_type):
 
 
 def test_plan_floors_on_fsdp8_gpt():
-  """The benchmark's per-layer GPT on FSDP-8 meets the compiled-HLO floors (FLOPs, bytes, temp memory, collective count)."""
+  """The benchmark's per-layer GPT on FSDP-8 meets the compiled-HLO floors: NS FLOPs,
+  received bytes, temp memory and the collective count."""
   params = gpt_tree(64, 4)
   mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), _fsdp_specs(params))
