@@ -61,7 +61,8 @@ def _mesh_signature(mesh) -> tuple:
   return tuple(mesh.shape.items())
 
 
-def _is_explicit_sharding(sharding: Any) -> bool:
+def is_explicit_sharding(sharding: Any) -> bool:
+  """Whether ``sharding`` is a NamedSharding on a mesh with Explicit axes."""
   mesh = getattr(sharding, "mesh", None)
   return (isinstance(sharding, NamedSharding) and mesh is not None and not mesh.empty
           and any(t == AxisType.Explicit for t in mesh.axis_types))
@@ -101,7 +102,7 @@ def leaf_shardings(shapes: list[tuple[int, ...]], typed: list[Any], paths: list[
     if given is not None and not isinstance(given, NamedSharding):
       raise ValueError(f"{path}: param_shardings must hold NamedSharding values; got "
                        f"{type(given).__name__}.")
-    explicit = _is_explicit_sharding(typed_sharding)
+    explicit = is_explicit_sharding(typed_sharding)
     if explicit:
       check_axis_types(typed_sharding.mesh, path)
     if given is not None:

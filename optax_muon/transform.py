@@ -19,8 +19,8 @@ from optax_muon.newton_schulz import GRAM_RESTART
 from optax_muon.normalization import NORMALIZATIONS, init_moment, normalize_neurons
 from optax_muon.orthogonalize import NSOptions
 from optax_muon.plan import Plan, build_plan, validate_options
-from optax_muon.sharding import (LeafSharding, dim_axes_of, leaf_shardings,
-                                 resolve_param_shardings)
+from optax_muon.sharding import (LeafSharding, dim_axes_of, is_explicit_sharding,
+                                 leaf_shardings, resolve_param_shardings)
 
 MOMENTUM_KINDS = ("ema", "sum")
 
@@ -183,9 +183,7 @@ def _own_sharding(x) -> Any:
   one on an Explicit mesh; else None."""
   if isinstance(x, jax.core.Tracer):
     sharding = getattr(jax.typeof(x), "sharding", None)
-    explicit = sharding is not None and not sharding.mesh.empty and all(
-        t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
-    return sharding if explicit else None
+    return sharding if is_explicit_sharding(sharding) else None
   sharding = getattr(x, "sharding", None)
   return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
