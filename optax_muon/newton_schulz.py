@@ -42,11 +42,11 @@ def _precondition(x: jax.Array, kind: str, safety: float, eps: float
   real = jnp.finfo(wide).dtype
   x = x.astype(wide)
   amax = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
-  inverse = (1 / jnp.where(amax > 0, amax, 1)).astype(real)
+  amax = jnp.where(amax > 0, amax, 1).astype(real)  # divided by: 1/amax can be subnormal
   if kind == "frobenius":  # one pass for the norm, one for the scaling
-    norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x * inverse)), axis=(-2, -1), keepdims=True))
-    return x * (inverse / (norm * (1 + safety) + eps)), None
-  x = x * inverse
+    norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x / amax)), axis=(-2, -1), keepdims=True))
+    return x / amax / (norm * (1 + safety) + eps), None
+  x = x / amax
   if kind == "spectral":
     norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
     return x / (norm + eps), None
