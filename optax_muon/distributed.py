@@ -101,22 +101,20 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan,
     Per bucket, (g, n, L): the pieces of the orthogonalized matrices, in ``pieces``' dtype.
   """
   mesh = dict(plan.mesh_shape)
-  mats, active = [], []
-  for k, (runs, bucket, x) in enumerate(zip(program, ex.buckets, pieces)):
-    if runs:
-      starts = np.cumsum([0] + [count for _, count in runs])
-      # Casts between wire and compute dtype sit inside the layout code so that they fuse.
-      mats.append(jnp.concatenate([
-          _assemble(plan.leaves[i], group, mesh, x[:, a:b].astype(bucket.dtype))
-          for (i, _), a, b in zip(runs, starts[:-1], starts[1:])]))  # (n, m, n')
-      active.append(k)
-  out = list(pieces)
-  for k, result in zip(active, plan.ns.run(mats)):
-    runs, x = program[k], pieces[k]
+  out = []
+  for runs, bucket, x in zip(program, ex.buckets, pieces):
+    if not runs:
+      out.append(x)
+      continue
     starts = np.cumsum([0] + [count for _, count in runs])
-    out[k] = jnp.concatenate([
+    # Casts between wire and compute dtype sit inside the layout code so that they fuse.
+    mats = jnp.concatenate([
+        _assemble(plan.leaves[i], group, mesh, x[:, a:b].astype(bucket.dtype))
+        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])])  # (n, m, n')
+    result = plan.ns.run(mats)
+    out.append(jnp.concatenate([
         _disassemble(plan.leaves[i], group, mesh, result[a:b]).astype(x.dtype)
-        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])], axis=1)
+        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])], axis=1))
   return out
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon.coefficients import CoefficientsLike, NSCoefficients, resolve_coefficients
+from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
 
 METHODS = ("standard", "gram", "auto")
 #: Steps between Gram restarts; see ``newton_schulz``.
@@ -61,25 +61,21 @@ def _precondition(x: jax.Array, kind: str, safety: float, eps: float
   raise ValueError(f"Unknown preconditioning {kind!r}; expected one of {PRECONDITIONINGS}.")
 
 
-def _ns_iterations(xs: list[jax.Array], rows: np.ndarray,
-                   grams: list[jax.Array | None]) -> list[jax.Array]:
-  """Applies X ← a·X + (b·A + c·A²)·X, A = X·Xᴴ, once per row, to each stack (m ≤ n).
+def _ns_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None
+                   ) -> jax.Array:
+  """Applies X ← a·X + (b·A + c·A²)·X, A = X·Xᴴ, once per row; x has m ≤ n.
 
-  All stacks step together in one loop, so a program holds one NS loop however many
-  shapes it orthogonalizes. ``grams[k]``, when given, is stack k's first A (the
-  preconditioning computed it); either every stack has one or none has.
+  ``gram``, when given, is the first step's A (the preconditioning computed it).
   """
+  rows = jnp.asarray(rows, dtype=x.dtype)
 
   def apply(x, gram, abc):
-    abc = abc.astype(x.dtype)
     return abc[0] * x + (abc[1] * gram + abc[2] * (gram @ gram)) @ x
 
-  rows = jnp.asarray(rows)
-  if grams[0] is not None:
-    xs, rows = [apply(x, g, rows[0]) for x, g in zip(xs, grams)], rows[1:]
-  xs, _ = jax.lax.scan(lambda xs, abc: ([apply(x, _gram(x), abc) for x in xs], None),
-                       list(xs), rows)
-  return xs
+  if gram is not None:
+    x, rows = apply(x, gram, rows[0]), rows[1:]
+  x, _ = jax.lax.scan(lambda x, abc: (apply(x, _gram(x), abc), None), x, rows)
+  return x
 
 
 def _gram_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None
@@ -172,68 +168,33 @@ def newton_schulz(x: jax.Array, ns_coeffs: CoefficientsLike = "jordan", *,
   if x.ndim < 2:
     raise ValueError(f"newton_schulz expects an array of shape (..., m, n); got shape "
                      f"{x.shape}.")
-  return orthogonalize_stacks([x], table, compute_dtype=compute_dtype,
-                              preconditioning=preconditioning, method=method,
-                              gram_restart=gram_restart)[0]
-
-
-def orthogonalize_stacks(xs: list[jax.Array], table: NSCoefficients, *,
-                         compute_dtype: jnp.dtype | None = None,
-                         preconditioning: str = "frobenius", method: str = "auto",
-                         gram_restart: int = GRAM_RESTART) -> list[jax.Array]:
-  """``newton_schulz`` of several stacks of matrices (shapes may differ) in one program.
-
-  Each stack is ``newton_schulz`` of it alone; the stacks on the standard iteration share
-  one NS loop, so the compiled program has one loop instead of one per shape.
-
-  Args:
-    xs: arrays of shape ``(..., m, n)``.
-    table: the resolved coefficient schedule.
-    compute_dtype, preconditioning, method, gram_restart: as in ``newton_schulz``.
-
-  Returns:
-    The orthogonalized stacks, each of its input's shape and dtype.
-
-  Raises:
-    ValueError: if a stack has fewer than 2 dimensions or is not floating point or
-      complex, or an option is invalid.
-  """
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    raise ValueError(f"newton_schulz expects a floating-point or complex array; got "
+                     f"{x.dtype}.")
   if preconditioning not in PRECONDITIONINGS:
     raise ValueError(f"Unknown preconditioning {preconditioning!r}; expected one of "
                      f"{PRECONDITIONINGS}.")
-  out: list[jax.Array | None] = list(xs)
-  joint: list[tuple[int, jax.Array, jax.Array | None, bool]] = []
+  if x.size == 0:
+    return x
+  out_dtype = x.dtype
+  compute_dtype = jnp.dtype(compute_dtype or x.dtype)
+  if jnp.issubdtype(out_dtype, jnp.complexfloating):
+    compute_dtype = jnp.promote_types(compute_dtype, out_dtype)
+  transposed = x.shape[-2] > x.shape[-1]
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  x, gram = _precondition(x, preconditioning, table.safety, table.eps)
+  x = x.astype(compute_dtype)
+  gram = None if gram is None else gram.astype(compute_dtype)
   rows = np.asarray(table.rows)
-  for k, x in enumerate(xs):
-    if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.inexact):
-      raise ValueError(f"Newton–Schulz expects floating-point or complex arrays of shape "
-                       f"(..., m, n); got {x.dtype}{list(x.shape)}.")
-    if x.size == 0:
-      continue
-    dtype = jnp.dtype(compute_dtype or x.dtype)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-      dtype = jnp.promote_types(dtype, x.dtype)
-    transposed = x.shape[-2] > x.shape[-1]
-    short = jnp.swapaxes(x, -1, -2) if transposed else x
-    short, gram = _precondition(short, preconditioning, table.safety, table.eps)
-    short = short.astype(dtype)
-    gram = None if gram is None else gram.astype(dtype)
-    if uses_gram(method, short.shape[-2], short.shape[-1], table.steps, gram_restart, dtype):
-      for start in range(0, len(rows), gram_restart):
-        short = _gram_iterations(short, rows[start:start + gram_restart],
-                                 gram if start == 0 else None)
-      out[k] = _restore(short, transposed, x.dtype)
-    else:
-      joint.append((k, short, gram, transposed))
-  if joint:
-    results = _ns_iterations([s for _, s, _, _ in joint], rows, [g for _, _, g, _ in joint])
-    for (k, _, _, transposed), y in zip(joint, results):
-      out[k] = _restore(y, transposed, xs[k].dtype)
-  return out
-
-
-def _restore(x: jax.Array, transposed: bool, dtype) -> jax.Array:
-  return (jnp.swapaxes(x, -1, -2) if transposed else x).astype(dtype)
+  if uses_gram(method, x.shape[-2], x.shape[-1], table.steps, gram_restart, compute_dtype):
+    for start in range(0, len(rows), gram_restart):
+      x = _gram_iterations(x, rows[start:start + gram_restart], gram if start == 0 else None)
+  else:
+    x = _ns_iterations(x, rows, gram)
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  return x.astype(out_dtype)
 
 
 def msign(x: jax.Array, *, rank_tol: float | None = None) -> jax.Array:

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from optax_muon.coefficients import NSCoefficients
 from optax_muon.layout import MatrixLayout
-from optax_muon.newton_schulz import (GRAM_RESTART, PRECONDITIONINGS, ns_flops,
-                                      orthogonalize_stacks, uses_gram)
+from optax_muon.newton_schulz import (GRAM_RESTART, PRECONDITIONINGS, newton_schulz, ns_flops,
+                                      uses_gram)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,11 @@ class NSOptions:
                      self.compute_dtype or dtype)
     return ns_flops(m, n, steps, gram, self.gram_restart)
 
-  def run(self, xs: list[jax.Array]) -> list[jax.Array]:
-    """``newton_schulz`` of each (..., m, n) stack under these options, in one NS loop."""
-    return orthogonalize_stacks(xs, self.coefficients, compute_dtype=self.compute_dtype,
-                                preconditioning=self.preconditioning, method=self.method,
-                                gram_restart=self.gram_restart)
+  def run(self, x: jax.Array) -> jax.Array:
+    """``newton_schulz`` of a (..., m, n) array under these options."""
+    return newton_schulz(x, self.coefficients, compute_dtype=self.compute_dtype,
+                         preconditioning=self.preconditioning, method=self.method,
+                         gram_restart=self.gram_restart)
 
 
 def canonical_shape(layout: MatrixLayout) -> tuple[int, int]:
