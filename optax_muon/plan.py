@@ -464,10 +464,90 @@ def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_sh
     m.owned_elements[w] += m.elements[j]
     m.counts[w, m.kinds[j]] += 1
     loads[m.worker == w] += m.costs[j]
+  if weigh_bytes and not spread:
+    for _, m in exchanges:
+      _fewer_programs(m, loads)
   out = [[] for _ in groups]
   for k, m in exchanges:
     out[k].append(m.owner)
   return out
+
+
+def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
+  """Re-deals one exchange's matrices as two per-worker patterns (and idle workers), if free.
+
+  A pattern is how many matrices of each bucket a worker owns; each distinct pattern is a
+  ``lax.switch`` branch with its own NS code, so fewer patterns compile faster. The greedy
+  assignment often ends with four or five patterns where two reach the same busiest
+  device: u workers take pattern p, v workers pattern q and the rest nothing, with
+  u·p_b + v·q_b = K_b for every bucket b. A deal is taken only if it has fewer patterns and
+  neither the busiest device's load nor the largest owned size (the all-to-all chunk)
+  grows. Applies when the devices' loads from other exchanges are equal across workers
+  (otherwise a pattern's cost would depend on the worker); updates ``m`` and ``loads``.
+  """
+  workers = len(m.owned_elements)
+  patterns = len({tuple(row) for row in m.counts})
+  if workers < 3 or patterns <= 2:
+    return
+  mine = np.zeros(workers)
+  np.add.at(mine, m.owner, m.costs)
+  others = loads - mine[m.worker]
+  base = np.full(workers, -np.inf)
+  np.maximum.at(base, m.worker, others)
+  if not np.allclose(base, base[0]):
+    return
+  kinds = m.counts.shape[1]
+  totals = [int(t) for t in m.counts.sum(axis=0)]
+  cost = [next(c for c, k in zip(m.costs, m.kinds) if k == b) for b in range(kinds)]
+  size = [next(e for e, k in zip(m.elements, m.kinds) if k == b) for b in range(kinds)]
+  load_cap = float(loads.max()) - base[0]
+  size_cap = float(m.owned_elements.max())
+  best = None
+  for u in range(1, workers + 1):
+    for v in range(0, workers - u + 1):
+      if 2 + (u + v < workers) >= patterns:
+        continue
+      options = []
+      for t in totals:
+        if v == 0:
+          opts = [(t // u, 0)] if t % u == 0 else []
+        else:
+          opts = [(p, (t - u * p) // v) for p in range(t // u + 1) if (t - u * p) % v == 0]
+        if not opts:
+          break
+        options.append(opts)
+      if len(options) < kinds:
+        continue
+
+      def search(b, p_load, q_load, p_size, q_size, chosen):
+        nonlocal best
+        if max(p_load, q_load) > load_cap or max(p_size, q_size) > size_cap:
+          return
+        if b == kinds:
+          key = (2 + (u + v < workers), max(p_load, q_load), max(p_size, q_size))
+          if best is None or key < best[0]:
+            best = (key, u, v, list(chosen))
+          return
+        for p, q in options[b]:
+          search(b + 1, p_load + p * cost[b], q_load + q * cost[b], p_size + p * size[b],
+                 q_size + q * size[b], chosen + [(p, q)])
+
+      search(0, 0.0, 0.0, 0.0, 0.0, [])
+  if best is None:
+    return
+  _, u, v, chosen = best
+  loads -= mine[m.worker]
+  m.counts[:] = 0
+  m.owned_elements[:] = 0
+  for b, (p, q) in enumerate(chosen):
+    quota = [w for w in range(u) for _ in range(p)] + [u + w for w in range(v) for _ in range(q)]
+    for w, j in zip(quota, [j for j, k in enumerate(m.kinds) if k == b], strict=True):
+      m.owner[j] = w
+      m.owned_elements[w] += m.elements[j]
+      m.counts[w, b] += 1
+  mine = np.zeros(workers)
+  np.add.at(mine, m.owner, m.costs)
+  loads += mine[m.worker]
 
 
 def _exchange(buckets: tuple[Bucket, ...], owner: list[int], leaves: list[LeafPlacement],

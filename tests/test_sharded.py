@@ -343,6 +343,30 @@ def test_assignment_three_layers_on_eight_devices():
   _owned_once(plan)
 
 
+def test_assignment_uses_few_programs_where_that_is_free():
+  """12 layers of GQA + SwiGLU on 64 devices: 36 (d, f) matrices, 24 d × d and 24 d × d/4.
+  One wide matrix is the bound, so 36 workers own one each (two programs: gate/up and down
+  fit together differently), 12 own two d × d and two d × d/4, 16 idle: four programs,
+  at the bound, with the busiest owner's chunk one wide matrix."""
+  d, f, layers = 256, 704, 12
+  shapes = [(d, d), (d, d // 4), (d, d // 4), (d, d), (d, f), (d, f), (f, d)]
+  leaves = [((layers, *s), P(None, "fsdp", None), om.MuonDimensionNumbers(1, 2))
+            for s in shapes]
+  plan = _plan((64,), ("fsdp",), leaves)
+  _owned_once(plan)
+  (group,) = plan.groups
+  (ex,) = group.exchanges
+  assert len(ex.programs) == 4
+  assert plan.critical_ns_flops() == plan.ns_flops_bound()
+  assert ex.chunk(64) == d * f // 64
+  counts = sorted(tuple(len(m) for m in mine) for mine in ex.owned)
+  by_bucket = {b.shape: k for k, b in enumerate(ex.buckets)}
+  wide, square, narrow = by_bucket[(d, f)], by_bucket[(d, d)], by_bucket[(d // 4, d)]
+  assert sum(c[wide] == 1 and sum(c) == 1 for c in counts) == 36
+  assert sum(c[square] == 2 and c[narrow] == 2 and sum(c) == 4 for c in counts) == 12
+  assert sum(sum(c) == 0 for c in counts) == 16
+
+
 def test_assignment_balances_across_groups():
   """MoE: attention FSDP over expert × fsdp (one group), experts on expert × fsdp (another).
   A device's load sums over both groups: the attention matrices go to the devices whose
