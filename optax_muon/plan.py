@@ -22,7 +22,9 @@ decreasing order of their NS FLOPs c_j, each to the worker whose devices end up 
 (a device's load sums over all groups, so a device idle in one group takes more work in
 another), weighing the bytes the worker receives as well, because an all-to-all sends equal
 chunks sized by the busiest owner. Workers owning the same sequence of matrix kinds run the
-same program; distinct programs are the branches of one ``lax.switch`` on the worker index.
+same program; distinct programs are the branches of one ``lax.switch`` on the worker index,
+each compiled with its own NS code, so an exchange is then re-dealt as two patterns (plus
+idle workers) where that costs neither FLOPs on the busiest device nor chunk size.
 """
 
 from __future__ import annotations
