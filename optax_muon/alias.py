@@ -13,8 +13,9 @@ from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike
 from optax_muon.qk_clip import qk_clip, then_clip
 from optax_muon.routing import ADAM, DEFAULT_ADAM_PATTERN, MUON, route
-from optax_muon.transform import (MuonTransformation, check_number, scale_by_muon,
-                                  state_dtype, with_config)
+from optax_muon.sharding import place_like_params, resolve_param_shardings
+from optax_muon.transform import (MuonTransformation, check_number, inside_shard_map,
+                                  scale_by_muon, state_dtype, with_config)
 from optax_muon.weight_decay import add_cautious_decayed_weights
 
 #: AdamW's epsilon when neither ``adam_eps`` nor ``eps`` is given (optax's default).
@@ -221,5 +222,21 @@ def muon(
   if qk_clip_threshold is not None:
     clip = qk_clip(qk_clip_threshold, qk_clip_alpha, heads=qk_clip_heads)
     tx = then_clip(tx, clip)
+  tx = _state_placed_like_params(tx, param_shardings)
   return with_config(tx, dataclasses.replace(
       muon_tx.muon_config, cautious_weight_decay=cautious_weight_decay), router, clip)
+
+
+def _state_placed_like_params(tx: optax.GradientTransformation, param_shardings: Any
+                              ) -> optax.GradientTransformationExtraArgs:
+  """``tx`` whose ``init`` puts every param-shaped state array where its param lives
+  (``sharding.place_like_params``): on an Auto mesh, ``jax.jit(tx.init)`` would otherwise
+  give replicated momenta."""
+
+  def init_fn(params):
+    state = tx.init(params)
+    if param_shardings is None or inside_shard_map():
+      return state
+    return place_like_params(state, params, resolve_param_shardings(param_shardings, params))
+
+  return optax.GradientTransformationExtraArgs(init_fn, tx.update)

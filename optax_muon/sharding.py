@@ -170,3 +170,57 @@ def resolve_param_shardings(param_shardings: Any, tree: Any) -> list[Any] | None
     raise ValueError("param_shardings holds PartitionSpecs but no mesh is set: call the "
                      "optimizer under `with jax.set_mesh(mesh):`, or pass NamedShardings.")
   return [NamedSharding(mesh, v) if isinstance(v, PartitionSpec) else v for v in values]
+
+
+def place_like_params(state: Any, params: Any, shardings: list[Any] | None) -> Any:
+  """Every array of ``state`` shaped like its param, placed by that param's sharding.
+
+  Under ``jax.jit`` on an Auto mesh the zeros an ``init`` creates carry no sharding, and the
+  compiler replicates them: every device would hold the whole optimizer state until the
+  first update. Subtrees of ``state`` with the params' structure (momenta, Adam moments)
+  are constrained to ``shardings``; arrays of other shapes (counts, NorMuon's per-neuron
+  moments) are left as they are, and so is everything on an Explicit mesh (there the types
+  say where arrays live, and the update checks them against ``param_shardings``).
+
+  Args:
+    state: an optimizer state.
+    params: the params it was made for (global arrays, tracers or structs).
+    shardings: per position of ``tree_utils.flatten_positions(params)``, a NamedSharding or
+      None; None for no placement at all.
+
+  Returns:
+    ``state`` with its param-shaped arrays placed.
+  """
+  if shardings is None:
+    return state
+  positions, treedef = tree_utils.flatten_positions(params)
+  targets = [(getattr(leaf, "shape", None), s) for (_, leaf), s in zip(positions, shardings)]
+
+  def place(x, shape, sharding):
+    if sharding is None or getattr(x, "shape", None) != shape or is_explicit_sharding(sharding):
+      return x
+    traced = isinstance(x, jax.core.Tracer)
+    current = getattr(jax.typeof(x), "sharding", None) if traced else getattr(x, "sharding", None)
+    if is_explicit_sharding(current):
+      return x
+    if traced:
+      return jax.lax.with_sharding_constraint(x, sharding)
+    if (isinstance(x, jax.Array) and isinstance(sharding.mesh, jax.sharding.Mesh)
+        and not x.sharding.is_equivalent_to(sharding, x.ndim)):
+      return jax.device_put(x, sharding)
+    return x
+
+  def _placeholder(x) -> bool:
+    return not tree_utils.is_array_leaf(x)
+
+  def like_params(node) -> bool:
+    return (not isinstance(node, jax.Array)
+            and jax.tree.structure(node, is_leaf=_placeholder) == treedef)
+
+  def visit(node):
+    if not like_params(node):
+      return node
+    leaves = jax.tree.leaves(node, is_leaf=_placeholder)
+    return jax.tree.unflatten(treedef, [place(x, *t) for x, t in zip(leaves, targets)])
+
+  return jax.tree.map(visit, state, is_leaf=like_params)

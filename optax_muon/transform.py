@@ -20,7 +20,7 @@ from optax_muon.normalization import NORMALIZATIONS, init_moment, normalize_neur
 from optax_muon.orthogonalize import NSOptions
 from optax_muon.plan import Plan, build_plan, validate_options
 from optax_muon.sharding import (LeafSharding, dim_axes_of, is_explicit_sharding,
-                                 leaf_shardings, resolve_param_shardings)
+                                 leaf_shardings, place_like_params, resolve_param_shardings)
 
 MOMENTUM_KINDS = ("ema", "sum")
 
@@ -145,7 +145,7 @@ def with_config(tx: optax.GradientTransformation, config: MuonConfig,
   return out
 
 
-def _inside_shard_map() -> bool:
+def inside_shard_map() -> bool:
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and bool(mesh.manual_axes)
 
@@ -386,10 +386,13 @@ def scale_by_muon(
   def init_fn(params):
     layouts = config.layouts(params)  # Validates every leaf now, not at the first update.
     mu = jax.tree.map(lambda x: _zeros_like(x, state_dtype(x.dtype, mu_dtype)), params)
+    given = resolve_param_shardings(param_shardings, params)
+    if not inside_shard_map():  # there the leaves are local blocks, placed by the caller
+      mu = place_like_params(mu, params, given)
     nu = None
     if normalization is not None:
       positions, treedef = tree_utils.flatten_positions(params)
-      given = resolve_param_shardings(param_shardings, params) or [None] * len(positions)
+      given = given or [None] * len(positions)
       nu = jax.tree_util.tree_unflatten(treedef, [
           leaf if layout is None else init_moment(
               layout, state_dtype(jnp.finfo(leaf.dtype).dtype), s or _own_sharding(leaf),
@@ -402,7 +405,7 @@ def scale_by_muon(
     positions, treedef = tree_utils.flatten_positions(updates)
     mu_positions, _ = tree_utils.flatten_positions(state.mu)
     given = resolve_param_shardings(param_shardings, updates)
-    manual = _inside_shard_map()
+    manual = inside_shard_map()
     layouts = config.layouts(_global_shapes(updates, given) if manual else updates)
     index = [i for i, layout in enumerate(layouts) if layout is not None]
     grads = [positions[i][1] for i in index]

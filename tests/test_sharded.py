@@ -544,3 +544,30 @@ def test_normuon_state_sharded_at_init_eager_and_abstract(axis_type):
   if axis_type == AxisType.Explicit:
     abstract = jax.eval_shape(tx.init, structs).nu["w"]
     assert abstract.shape == (1, 8) and abstract.sharding.spec == P(None, "tp")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_jitted_init_places_the_state_like_the_params(axis_type):
+  """A jitted init gives Muon's momentum and AdamW's moments their params' shardings (on an
+  Auto mesh the compiler would otherwise replicate the zeros), and leaves the rest alone."""
+  params = gpt_tree(32, 2)
+  mesh = _mesh((8,), ("fsdp",), axis_type)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), _fsdp_specs(params))
+  sharded = jax.tree.map(jax.device_put, params, shardings)
+  tx = om.muon(0.1, param_shardings=shardings, normalization="neuron")
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded)
+  flat = dict(jax.tree_util.tree_flatten_with_path(shardings)[0])
+  shapes = dict((p, x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0])
+  placed = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(state):
+    param = next((p for p in flat if path[-len(p):] == p), None)
+    if param is None or x.shape != shapes[param]:
+      continue
+    assert x.sharding.is_equivalent_to(flat[param], x.ndim), (jax.tree_util.keystr(path),
+                                                               x.sharding)
+    placed += 1
+  # One momentum per Muon leaf, mu and nu per AdamW leaf.
+  rows = om.summarize(sharded, tx).rows
+  muon = sum(r.optimizer == "muon" for r in rows)
+  assert muon == 12 and placed == muon + 2 * (len(rows) - muon)
