@@ -507,7 +507,8 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
   best = None
   for u in range(1, workers + 1):
     for v in range(0, workers - u + 1):
-      if 2 + (u + v < workers) >= patterns:
+      count = 1 + (v > 0) + (u + v < workers)  # distinct patterns, the idle one included
+      if count >= patterns:
         continue
       options = []
       for t in totals:
@@ -526,7 +527,7 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
         if max(p_load, q_load) > load_cap or max(p_size, q_size) > size_cap:
           return
         if b == kinds:
-          key = (2 + (u + v < workers), max(p_load, q_load), max(p_size, q_size))
+          key = (count, max(p_load, q_load), max(p_size, q_size))
           if best is None or key < best[0]:
             best = (key, u, v, list(chosen))
           return
