@@ -2,38 +2,50 @@
 
 Building block: ``scale_by_muon`` (compose it in ``optax.chain``, with ``scale_by_shape``).
 Full optimizer: ``muon`` (Muon on matrices, AdamW on the rest). Both take every argument
-of their ``optax.contrib`` namesakes. Newton–Schulz: ``newton_schulz`` with the coefficient
-presets in ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table, and
-``msign``, its SVD reference. ``summarize`` shows where every leaf goes. ``qk_clip``
-(MuonClip) caps attention logits by rescaling query and key heads.
+of their ``optax.contrib`` namesakes; this package's own options come as the objects
+``NSOptions``, ``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
+Newton–Schulz: ``newton_schulz`` with the coefficient presets in ``PRESET_NAMES`` or a
+generated ``polar_express_coefficients`` table, and ``msign``, its SVD reference.
+``summarize`` shows where every leaf goes; ``diagnostics`` gives per-step scalars to log.
+``qk_clip`` (MuonClip) caps attention logits by rescaling query and key heads.
 """
 
 from optax_muon.alias import muon
 from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
                                      resolve_coefficients, singular_value_range)
 from optax_muon.diagnostics import diagnostics
-from optax_muon.layout import MuonDimensionNumbers, scale_factor
+from optax_muon.layout import MuonDimensionNumbers
 from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz, ns_flops
-from optax_muon.qk_clip import QKClipHeads, qk_clip
-from optax_muon.routing import DEFAULT_ADAM_PATTERN, Route, route
+from optax_muon.options import DEFAULT_ADAM_PATTERN, NorMuon, NSOptions, Routing, ShardingOptions
+from optax_muon.qk_clip import QKClip, QKClipHeads, qk_clip
+from optax_muon.routing import Reason, Route, route
+from optax_muon.scaling import scale_factor
+from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
 from optax_muon.summary import LeafSummary, RoutingSummary, summarize
-from optax_muon.transform import MuonState, MuonTransformation, scale_by_muon, scale_by_shape
+from optax_muon.transform import MuonState, scale_by_muon, scale_by_shape
 from optax_muon.weight_decay import add_cautious_decayed_weights
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_ADAM_PATTERN",
     "LeafSummary",
     "MuonDimensionNumbers",
+    "MuonOptions",
     "MuonState",
-    "MuonTransformation",
     "NSCoefficients",
+    "NSOptions",
+    "NorMuon",
     "PRECONDITIONINGS",
     "PRESET_NAMES",
+    "QKClip",
     "QKClipHeads",
+    "Reason",
     "Route",
+    "Routing",
     "RoutingSummary",
+    "ShardingOptions",
+    "TreeSpec",
     "add_cautious_decayed_weights",
     "diagnostics",
     "msign",
@@ -49,4 +61,5 @@ __all__ = [
     "scale_factor",
     "singular_value_range",
     "summarize",
+    "tree_spec",
 ]

@@ -12,16 +12,18 @@ import jax.numpy as jnp
 
 from optax_muon import tree_utils
 from optax_muon.routing import ADAM, MUON
-from optax_muon.transform import MuonTransformation
+from optax_muon.spec import tree_spec
+from optax_muon.summary import find_muon_options
 
 
-def diagnostics(updates: Any, tx: MuonTransformation, params: Any,
-                sample: str | None = None) -> dict[str, jax.Array]:
+def diagnostics(updates: Any, tx: Any, params: Any, sample: str | None = None
+                ) -> dict[str, jax.Array]:
   """Scalars describing one step's updates.
 
   Args:
     updates: the updates ``tx.update`` returned.
-    tx: a transformation from ``muon`` (or ``scale_by_muon``).
+    tx: the transformation (or its state) that ``muon`` or ``scale_by_muon`` is part of,
+      as ``summarize`` takes it.
     params: the params (for routing and layouts).
     sample: path of the Muon leaf whose first matrix is checked for orthogonality; None
       takes the first Muon leaf.
@@ -33,7 +35,7 @@ def diagnostics(updates: Any, tx: MuonTransformation, params: Any,
     coefficients leave about 0.3; weight decay adds to it). Call it inside your jitted step.
 
   Raises:
-    ValueError: if ``sample`` names no Muon leaf.
+    ValueError: if ``sample`` names no Muon leaf, or ``tx`` holds no Muon transformation.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_muon
@@ -46,11 +48,9 @@ def diagnostics(updates: Any, tx: MuonTransformation, params: Any,
     (['orthogonality_error', 'update_rms/adam', 'update_rms/muon'], True)
   """
   positions, _ = tree_utils.flatten_positions(updates)
-  if tx.muon_router is None:
-    labels = [MUON if tree_utils.is_array_leaf(leaf) else None for _, leaf in positions]
-  else:
-    labels = [r.label if r is not None else None for r in tx.muon_router(params)]
-  layouts = tx.muon_config.layouts(params, [label == MUON for label in labels])
+  spec = tree_spec(params, find_muon_options(tx, params))
+  labels = [None if leaf is None else leaf.route.optimizer for leaf in spec.leaves]
+  layouts = [None if leaf is None else leaf.layout for leaf in spec.leaves]
   out = {}
   for group in (MUON, ADAM):
     leaves = [leaf for (_, leaf), label in zip(positions, labels) if label == group]

@@ -1,8 +1,7 @@
 """How a parameter leaf is seen as a batch of matrices: dimension numbers and layouts.
 
 A ``MatrixLayout`` is static per-leaf metadata (Python values only, never arrays), computed
-once from the leaf's shape and its ``MuonDimensionNumbers`` and reused by ``init``,
-``update`` and ``summarize``.
+once per tree from the leaf's shape and its ``MuonDimensionNumbers`` (see ``spec``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax.contrib
 
-from optax_muon import tree_utils
+from optax_muon.newton_schulz import ns_orientation
 
 
 class MuonDimensionNumbers(NamedTuple):
@@ -54,48 +53,6 @@ DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbe
 
 def is_dimension_numbers(x: Any) -> bool:
   return isinstance(x, DIMENSION_NUMBER_TYPES)
-
-
-SCALE_KINDS = ("jordan", "spectral", None)
-
-
-def scale_factor(n_in: int, n_out: int, kind: str | None, *,
-                 consistent_rms: jax.typing.ArrayLike | None = None):
-  """The factor multiplying an orthogonalized update of an n_in × n_out matrix.
-
-  Args:
-    n_in: reduction size.
-    n_out: output size.
-    kind: ``"jordan"`` sqrt(max(1, n_out/n_in)); ``"spectral"`` sqrt(n_out/n_in);
-      ``None`` 1. Ignored when ``consistent_rms`` is given.
-    consistent_rms: k, for the factor k·sqrt(max(n_in, n_out)): the update's RMS is then
-      about k whatever the shape (Moonlight uses 0.2 to match AdamW; DeepSeek-V4's γ is the
-      same constant). May be a traced scalar.
-
-  Returns:
-    A Python float, or a scalar array when ``consistent_rms`` is traced.
-
-  Raises:
-    ValueError: for an unknown kind.
-
-  Examples:
-    >>> import optax_muon
-    >>> optax_muon.scale_factor(256, 1024, "jordan")
-    2.0
-    >>> optax_muon.scale_factor(256, 1024, None, consistent_rms=0.2)
-    6.4
-  """
-  if consistent_rms is not None:
-    return consistent_rms * math.sqrt(max(n_in, n_out))
-  if n_in == 0:  # an empty matrix: its update is empty whatever the factor
-    return 1.0
-  if kind == "jordan":
-    return math.sqrt(max(1.0, n_out / n_in))
-  if kind == "spectral":
-    return math.sqrt(n_out / n_in)
-  if kind is None:
-    return 1.0
-  raise ValueError(f"Unknown update scale {kind!r}; expected one of {SCALE_KINDS}.")
 
 
 def _normalize_axes(axes, ndim: int, path: str, field: str) -> tuple[int, ...]:
@@ -140,6 +97,16 @@ class MatrixLayout:
   @property
   def n_out(self) -> int:
     return math.prod(self.shape[a] for a in self.output_axes)
+
+  @property
+  def ns_shape(self) -> tuple[int, int]:
+    """The (m, n) matrix Newton–Schulz iterates on: short side first."""
+    return ns_orientation(self.n_in, self.n_out)[0]
+
+  @property
+  def transposed(self) -> bool:
+    """Whether NS runs on the transpose of the ``n_in × n_out`` matrix."""
+    return ns_orientation(self.n_in, self.n_out)[1]
 
   @property
   def _perm(self) -> tuple[int, ...]:
@@ -192,23 +159,3 @@ def make_layout(path: str, leaf: Any, dims: Any | None) -> MatrixLayout:
                      f"(shape {shape}).")
   batch = tuple(a for a in range(len(shape)) if a not in reduction + output)
   return MatrixLayout(path, shape, dtype, batch, reduction, output)
-
-
-def resolve_dimension_numbers(spec: Any, tree: Any, what: str) -> list[Any]:
-  """One dimension-numbers entry (or None) per position of ``tree``.
-
-  Args:
-    spec: None, a single ``MuonDimensionNumbers``, a tree or prefix tree of them (None
-      entries allowed), or a callable ``tree -> such a tree``.
-    tree: the params or updates.
-    what: the argument's name, for error messages.
-
-  Returns:
-    A list aligned with ``tree_utils.flatten_positions(tree)``.
-  """
-  positions, _ = tree_utils.flatten_positions(tree)
-  if spec is None:
-    return [None] * len(positions)
-  if callable(spec) and not is_dimension_numbers(spec):
-    spec = spec(tree)
-  return tree_utils.broadcast_prefix(spec, tree, is_value=is_dimension_numbers, what=what)

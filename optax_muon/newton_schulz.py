@@ -16,6 +16,12 @@ GRAM_RESTART = 3
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
 
+def ns_orientation(rows: int, cols: int) -> tuple[tuple[int, int], bool]:
+  """Which side Newton–Schulz runs on: the (m, n) matrix it iterates on, m ≤ n, and whether
+  that is the transpose of the rows × cols input. The one place this is decided."""
+  return (min(rows, cols), max(rows, cols)), rows > cols
+
+
 def _gram(x: jax.Array) -> jax.Array:
   """X·Xᴴ for a (..., m, n) array (the conjugate transpose, so complex inputs work)."""
   return x @ jnp.conj(jnp.swapaxes(x, -1, -2))
@@ -180,7 +186,7 @@ def newton_schulz(x: jax.Array, ns_coeffs: CoefficientsLike = "jordan", *,
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
     compute_dtype = jnp.promote_types(compute_dtype, out_dtype)
-  transposed = x.shape[-2] > x.shape[-1]
+  _, transposed = ns_orientation(*x.shape[-2:])
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   x, gram = _precondition(x, preconditioning, table.safety, table.eps)
@@ -246,7 +252,7 @@ def ns_flops(m: int, n: int, steps: int, gram: bool = False,
     >>> optax_muon.ns_flops(256, 1024, 5)  # 5·(4·256²·1024 + 2·256³)
     1509949440
   """
-  m, n = min(m, n), max(m, n)
+  (m, n), _ = ns_orientation(m, n)
   if not gram:
     return steps * (4 * m * m * n + 2 * m**3)
   chunks = [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]

@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from optax_muon.layout import MatrixLayout
-from optax_muon.orthogonalize import NSOptions, canonical_shape
+from optax_muon.options import ShardingOptions
 from optax_muon.sharding import LeafSharding
-
-REPLICA_POLICIES = ("split", "redundant")
-EXCHANGES = ("bucket", "group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +51,14 @@ class LeafPlacement:
       information (the trivial plan: its global array is its local block).
     exchange_axes: X, in mesh order.
     replica_axes: R, in mesh order.
+    flops: c, the NS FLOPs of one of its matrices.
   """
 
   layout: MatrixLayout
   sharding: LeafSharding | None
   exchange_axes: tuple[str, ...]
   replica_axes: tuple[str, ...]
+  flops: int
 
   @property
   def matrix_dims(self) -> tuple[int, ...]:
@@ -92,8 +92,7 @@ class LeafPlacement:
     """Leaves with equal signatures cut their matrices into pieces the same way."""
     return (tuple(self.layout.shape[d] for d in self.matrix_dims),
             tuple(self.dim_axes[d] for d in self.matrix_dims),
-            self.reduction_positions, self.output_positions,
-            self.layout.n_in > self.layout.n_out)
+            self.reduction_positions, self.output_positions, self.layout.transposed)
 
   @property
   def reduction_positions(self) -> tuple[int, ...]:
@@ -174,7 +173,7 @@ class Group:
     sharded: whether its leaves carry shardings (else: the trivial plan, run outside
       ``shard_map``).
     buckets: its buckets.
-    exchanges: one (``exchange="group"``) or one per bucket.
+    exchanges: one (``exchange="combined"``) or one per bucket (``"per_shape"``).
   """
 
   exchange_axes: tuple[str, ...]
@@ -214,20 +213,18 @@ class Plan:
     mesh_shape: axis name → size, in mesh order; empty when no leaf is sharded.
     leaves: one placement per Muon leaf.
     groups: the groups.
-    ns: the NS options.
-    exchange: ``"group"``: one all-to-all each way per group, owners balanced over all of
-      its buckets at once (for FSDP and FSDP × TP that is one exchange for the whole tree);
-      ``"bucket"``: one each way per bucket, each bucket spread evenly (at most ⌈K/workers⌉
-      matrices per worker) so that its chunk stays small; less temp memory (one bucket's
-      buffers alive at a time), less balance.
+    exchange: ``"combined"``: one all-to-all each way per group, owners balanced over all
+      of its buckets at once (for FSDP and FSDP × TP that is one exchange for the whole
+      tree); ``"per_shape"``: one each way per bucket, each bucket spread evenly (at most
+      ⌈K/workers⌉ matrices per worker) so that its chunk stays small; less temp memory (one
+      bucket's buffers alive at a time), less balance.
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
   """
 
   mesh_shape: tuple[tuple[str, int], ...]
   leaves: tuple[LeafPlacement, ...]
   groups: tuple[Group, ...]
-  ns: NSOptions
-  exchange: str = "group"
+  exchange: str = "combined"
   wire_dtype: Any = None
 
   @property
@@ -297,62 +294,45 @@ class Plan:
 
   def ns_flops_bound(self) -> float:
     """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS FLOPs."""
-    costs = [(p.layout.batch, self.ns.flops(*canonical_shape(p.layout), p.layout.dtype))
-             for p in self.leaves]
+    costs = [(p.layout.batch, p.flops) for p in self.leaves]
     return max(sum(k * c for k, c in costs) / self.device_count, max(c for _, c in costs))
-
-  def leaf_placement(self, index: int) -> str:
-    """Where leaf ``index``'s matrices are orthogonalized, in words."""
-    group = next(g for g in self.groups if any(index in b.members for b in g.buckets))
-    bucket = next(b for b in group.buckets if index in b.members)
-    ex = next(e for e in group.exchanges if bucket in e.buckets)
-    k = ex.buckets.index(bucket)
-    parts = [f"all-to-all over {'×'.join(group.exchange_axes)}" if group.exchange_size > 1
-             else "local"]
-    if group.replica_size > 1:
-      parts.append(f"{'split' if group.split else 'redundant'} over "
-                   f"{'×'.join(group.replica_axes)}")
-    counts = sorted({len(owned[k]) for owned in ex.owned})
-    spread = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}")
-    return (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
-            f"{bucket.matrices} matrices, {spread} per worker of {group.workers}")
 
 
 def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None],
-               ns: NSOptions, replica_policy: str = "split", exchange: str = "group",
-               wire_dtype: Any = None, weigh_bytes: bool = True) -> Plan:
+               cost: Callable[[int, int, Any], int],
+               options: ShardingOptions = ShardingOptions(), *, stack: bool = True,
+               weigh_bytes: bool = True) -> Plan:
   """Builds the plan for the Muon leaves.
 
   Args:
     layouts: the leaves' global layouts.
     shardings: the leaves' shardings (all on one mesh), ``None`` for a leaf without.
-    ns: NS options.
-    replica_policy: ``"split"`` or ``"redundant"`` (see the module docstring).
-    exchange: ``"group"`` or ``"bucket"`` (see ``Plan``).
-    wire_dtype: see ``Plan``.
+    cost: the NS FLOPs of one (m, n) matrix of a dtype, ``cost(m, n, dtype)``.
+    options: the replica policy, the exchange and the wire dtype (see the module
+      docstring and ``Plan``).
+    stack: put same-shape matrices of a group into one bucket (one batched NS call per
+      worker); else every leaf is a bucket of its own.
     weigh_bytes: balance each worker's received bytes along with the FLOPs (``False``:
       FLOPs only, plain LPT, the reference the benchmark compares against).
 
   Returns:
     The ``Plan``.
-
-  Raises:
-    ValueError: for an unknown policy or exchange.
   """
-  validate_options(replica_policy, exchange)
+  replica_policy, exchange = options.replica_policy, options.exchange
   mesh = next((s.mesh for s in shardings if s is not None), None)
   mesh_shape = tuple(mesh.shape.items()) if mesh is not None else ()
   order = [name for name, _ in mesh_shape]
   placements = []
   for layout, sharding in zip(layouts, shardings):
+    flops = cost(*layout.ns_shape, layout.dtype)
     if sharding is None:
-      placements.append(LeafPlacement(layout, None, (), ()))
+      placements.append(LeafPlacement(layout, None, (), (), flops))
       continue
     matrix_axes = {a for d in layout.reduction_axes + layout.output_axes
                    for a in sharding.dim_axes[d]}
     placements.append(LeafPlacement(
         layout, sharding, tuple(a for a in order if a in matrix_axes),
-        tuple(a for a in order if a not in sharding.used_axes)))
+        tuple(a for a in order if a not in sharding.used_axes), flops))
   size = lambda axes: math.prod(dict(mesh_shape)[a] for a in axes)
   group_members: dict[tuple, list[int]] = {}
   for i, p in enumerate(placements):
@@ -363,8 +343,8 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
     by_kind: dict[tuple, list[int]] = {}
     for i in members:
       layout = placements[i].layout
-      key = canonical_shape(layout) + (np.dtype(layout.dtype),)
-      by_kind.setdefault(key if ns.bucket else key + (i,), []).append(i)
+      key = layout.ns_shape + (np.dtype(layout.dtype),)
+      by_kind.setdefault(key if stack else key + (i,), []).append(i)
     buckets = []
     for key, idx in by_kind.items():
       # Members sorted by how their pieces fit together, so that a worker's runs of one
@@ -373,18 +353,18 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
       idx = sorted(idx, key=lambda i: kinds.index(placements[i].signature))
       buckets.append(Bucket(key[:2], key[2], tuple(idx),
                             sum(placements[i].local_batch for i in idx),
-                            ns.flops(*key[:2], key[2])))
+                            placements[idx[0]].flops))
     buckets = tuple(buckets)
     r = size(replica_axes)
     groups.append(Group(exchange_axes, replica_axes, size(exchange_axes), r,
                         replica_policy == "split" and r > 1, sharded, buckets, ()))
-    units.append([buckets] if exchange == "group" else [(b,) for b in buckets])
-  owners = _balance(groups, units, mesh_shape, exchange == "bucket", weigh_bytes)
+    units.append([buckets] if exchange == "combined" else [(b,) for b in buckets])
+  owners = _balance(groups, units, mesh_shape, exchange == "per_shape", weigh_bytes)
   groups = [dataclasses.replace(group, exchanges=tuple(
-      _exchange(unit, owner, placements, group.workers)
+      _make_exchange(unit, owner, placements, group.workers)
       for unit, owner in zip(group_units, group_owners)))
             for group, group_units, group_owners in zip(groups, units, owners)]
-  return Plan(mesh_shape, tuple(placements), tuple(groups), ns, exchange, wire_dtype)
+  return Plan(mesh_shape, tuple(placements), tuple(groups), exchange, options.wire_dtype)
 
 
 @dataclasses.dataclass
@@ -553,8 +533,8 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
   loads += mine[m.worker]
 
 
-def _exchange(buckets: tuple[Bucket, ...], owner: list[int], leaves: list[LeafPlacement],
-              workers: int) -> Exchange:
+def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
+                   leaves: list[LeafPlacement], workers: int) -> Exchange:
   """The ``Exchange`` of ``buckets`` given the worker of each local matrix."""
   owned = [[[] for _ in buckets] for _ in range(workers)]
   start = 0
@@ -588,12 +568,3 @@ def _exchange(buckets: tuple[Bucket, ...], owner: list[int], leaves: list[LeafPl
     program_of.append(programs.index(program))
   return Exchange(buckets, tuple(tuple(tuple(m) for m in mine) for mine in owned),
                   tuple(programs), tuple(program_of))
-
-
-def validate_options(replica_policy: str, exchange: str) -> None:
-  """Raises ValueError for an unknown replica policy or exchange granularity."""
-  if replica_policy not in REPLICA_POLICIES:
-    raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got "
-                     f"{replica_policy!r}.")
-  if exchange not in EXCHANGES:
-    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}.")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_muon import tree_utils
-from optax_muon.transform import check_number
+from optax_muon.options import check_number
 
 ROLES = ("query", "key", "qkv")
 
@@ -73,6 +73,45 @@ class QKClipHeads(NamedTuple):
 
 def is_qk_clip_heads(x: Any) -> bool:
   return isinstance(x, QKClipHeads)
+
+
+def _check_options(threshold: Any, alpha: Any) -> None:
+  check_number("threshold", threshold, 0.0, low_open=True)
+  check_number("alpha", alpha, 0.0, 1.0, high_closed=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class QKClip:
+  """QK-clip's options for ``muon(..., qk_clip=QKClip(...))`` (see ``qk_clip``).
+
+  Attributes:
+    threshold: τ, the logit cap (100 in Kimi K2), > 0.
+    heads: ``QKClipHeads`` per leaf: a tree or prefix tree (None entries: not a query or
+      key projection), a single value, or a callable ``params -> such a tree``.
+    alpha: α in [0, 1], the query's share of the rescale (0.5: balanced).
+
+  Examples:
+    >>> import optax_muon
+    >>> clip = optax_muon.QKClip(100.0, heads={"q": optax_muon.QKClipHeads("query")})
+    >>> clip.alpha
+    0.5
+  """
+
+  threshold: float
+  heads: Any
+  alpha: float = 0.5
+
+  def __post_init__(self):
+    _check_options(self.threshold, self.alpha)
+    if self.heads is None:
+      raise ValueError("QKClip.heads is required: declare the query and key projections "
+                       "with QKClipHeads.")
+    object.__setattr__(self, "heads", tree_utils.freeze_prefix(
+        self.heads, is_value=is_qk_clip_heads, what="heads"))
+
+  def transformation(self) -> optax.GradientTransformationExtraArgs:
+    """The ``qk_clip`` transformation these options describe."""
+    return qk_clip(self.threshold, self.alpha, heads=self.heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +213,9 @@ def resolve_projections(heads: Any, params: Any) -> list[Projection | None]:
       declaration that doesn't fit its leaf (naming the leaf).
   """
   positions, _ = tree_utils.flatten_positions(params)
-  if callable(heads) and not is_qk_clip_heads(heads):
-    heads = heads(params)
-  specs = tree_utils.broadcast_prefix(heads, params, is_value=is_qk_clip_heads, what="heads")
+  specs = tree_utils.resolve_prefix(
+      tree_utils.freeze_prefix(heads, is_value=is_qk_clip_heads, what="heads"), params,
+      is_value=is_qk_clip_heads, what="heads")
   out = [make_projection(path, leaf, spec)
          if spec is not None and tree_utils.is_array_leaf(leaf) else None
          for (path, leaf), spec in zip(positions, specs)]
@@ -253,22 +292,8 @@ def head_factors(p: Projection, gamma: jax.Array, alpha: jax.typing.ArrayLike) -
   return per_element.reshape([p.shape[a] if a in axes else 1 for a in range(len(p.shape))])
 
 
-class QKClipTransformation(optax.GradientTransformationExtraArgs):
-  """``qk_clip``'s transformation, carrying its configuration (``summarize`` reads it).
-
-  Attributes:
-    threshold: τ.
-    alpha: α.
-    heads: the ``QKClipHeads`` declaration, as given.
-  """
-
-  threshold: Any
-  alpha: Any
-  heads: Any
-
-
 def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike = 0.5, *,
-            heads: Any) -> QKClipTransformation:
+            heads: Any) -> optax.GradientTransformationExtraArgs:
   """QK-clip: rescales each attention head's query and key projections so that its
   largest logit in the step's batch stays at most ``threshold``.
 
@@ -277,7 +302,7 @@ def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike
   by several query heads (grouped-query attention) takes the smallest γ of its group. The
   returned updates are those that land on the rescaled parameters, so this transformation
   must come **last** in a chain (after the learning rate): anything after it would rescale
-  the correction too. ``muon(..., qk_clip_threshold=τ)`` puts it there.
+  the correction too. ``muon(..., qk_clip=QKClip(τ, heads))`` puts it there.
 
   Args:
     threshold: τ, the logit cap (100 in Kimi K2).
@@ -286,8 +311,7 @@ def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike
       projection), a single value, or a callable ``params -> such a tree``.
 
   Returns:
-    A ``QKClipTransformation`` (an ``optax.GradientTransformationExtraArgs``), stateless,
-    whose ``update`` takes the maxima as ``attn_logit_max=``: a tree with one
+    A stateless ``optax.GradientTransformationExtraArgs``, whose ``update`` takes the maxima as ``attn_logit_max=``: a tree with one
     ``layer_shape + (heads,)`` array per attention layer (query heads), matched to each
     projection by the longest prefix of its path.
 
@@ -312,9 +336,7 @@ def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike
     Kimi Team, `Kimi K2: Open Agentic Intelligence <https://arxiv.org/abs/2507.20534>`_,
     2025 (MuonClip).
   """
-  check_number("threshold", threshold, 0.0, low_open=True)
-  if isinstance(alpha, (int, float)) and not 0 <= alpha <= 1:
-    raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}.")
+  _check_options(threshold, alpha)
 
   def init_fn(params):
     resolve_projections(heads, params)  # Validates the declaration now.
@@ -342,12 +364,11 @@ def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike
       out[i] = u + ((head_factors(p, gamma, alpha) - 1) * new).astype(u.dtype)
     return jax.tree_util.tree_unflatten(treedef, out), state
 
-  tx = QKClipTransformation(init_fn, update_fn)
-  tx.threshold, tx.alpha, tx.heads = threshold, alpha, heads
-  return tx
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def then_clip(tx: optax.GradientTransformation, clip: QKClipTransformation
+def then_clip(tx: optax.GradientTransformation,
+              clip: optax.GradientTransformationExtraArgs
               ) -> optax.GradientTransformationExtraArgs:
   """``tx`` followed by ``clip``, keeping ``tx``'s state as it is (``clip`` has none), so
   that turning QK-clip on or off leaves the optimizer state's structure unchanged.

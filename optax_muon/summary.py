@@ -5,34 +5,69 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from optax_muon import tree_utils
-from optax_muon.orthogonalize import canonical_shape
-from optax_muon.routing import ADAM, MUON, Route
 from optax_muon.plan import Plan
 from optax_muon.qk_clip import ROLES, resolve_projections
-from optax_muon.sharding import resolve_param_shardings
-from optax_muon.transform import MuonConfig, MuonTransformation
+from optax_muon.routing import ADAM, MUON
+from optax_muon.scaling import scale_factor
+from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
+from optax_muon.transform import MuonState
 
 
-def _plan(params: Any, config: MuonConfig, layouts: list) -> tuple[Plan | None, dict]:
-  """The plan of the Muon leaves, and position → index into ``plan.leaves``.
+def find_muon_options(tx: Any, params: Any) -> MuonOptions:
+  """The static options of the Muon transformation inside ``tx``.
 
-  Shardings come from ``param_shardings`` if the transformation has them, else from the
-  params themselves (arrays or ``ShapeDtypeStruct``s with a ``NamedSharding``).
+  Args:
+    tx: an optax transformation that contains one from ``muon`` or ``scale_by_muon``
+      (also inside ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
+      ``optax.apply_if_finite``, ...), an ``nnx.Optimizer``, or an optimizer state.
+    params: the params (only shapes and shardings are read: ``tx.init`` is traced with
+      ``jax.eval_shape``).
+
+  Raises:
+    ValueError: if ``tx`` holds no Muon transformation, or several different ones.
   """
-  positions, _ = tree_utils.flatten_positions(params)
-  given = resolve_param_shardings(config.param_shardings, params)
-  muon = [i for i, layout in enumerate(layouts) if layout is not None]
-  if given is None:
-    given = [getattr(leaf, "sharding", None) for _, leaf in positions]
-    given = [s if isinstance(s, NamedSharding) else None for s in given]
-  if not muon:
-    return None, {}
-  plan = config.plan([layouts[i] for i in muon], [None] * len(muon), [given[i] for i in muon])
-  return plan, {i: k for k, i in enumerate(muon) if plan.leaves[k].sharding is not None}
+  tx = getattr(tx, "tx", tx)  # an nnx.Optimizer holds its transformation as .tx
+  init = getattr(tx, "init", None)  # optax.MultiSteps is not a GradientTransformation
+  state = jax.eval_shape(init, params) if callable(init) else tx
+  found = [node.options for node in jax.tree.leaves(state, is_leaf=_is_muon_state)
+           if _is_muon_state(node)]
+  if not found:
+    raise ValueError(f"no optax_muon transformation found in {type(tx).__name__}: pass the "
+                     "transformation (or its state) that muon or scale_by_muon is part of.")
+  if any(options != found[0] for options in found[1:]):
+    raise ValueError(f"{type(tx).__name__} holds {len(found)} different Muon "
+                     "transformations; summarize each on its own.")
+  return found[0]
+
+
+def _is_muon_state(node: Any) -> bool:
+  return isinstance(node, MuonState)
+
+
+def _plural(count: int, one: str, many: str) -> str:
+  return f"{count} {one if count == 1 else many}"
+
+
+def _placement(plan: Plan, index: int) -> str:
+  """Where plan leaf ``index``'s matrices are orthogonalized, in words."""
+  group = next(g for g in plan.groups if any(index in b.members for b in g.buckets))
+  bucket = next(b for b in group.buckets if index in b.members)
+  ex = next(e for e in group.exchanges if bucket in e.buckets)
+  k = ex.buckets.index(bucket)
+  parts = [f"all-to-all over {'×'.join(group.exchange_axes)}" if group.exchange_size > 1
+           else "local"]
+  if group.replica_size > 1:
+    parts.append(f"{'split' if group.split else 'redundant'} over "
+                 f"{'×'.join(group.replica_axes)}")
+  counts = sorted({len(owned[k]) for owned in ex.owned})
+  spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+  return (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
+          f"{_plural(bucket.matrices, 'matrix', 'matrices')}, {spread} per worker of "
+          f"{group.workers}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +77,10 @@ class LeafSummary:
   Attributes:
     path, shape, dtype: the leaf.
     optimizer: ``"muon"`` or ``"adam"``.
-    reason: why it was routed there.
+    reason: why it was routed there, in words.
     ns_matrix: the (m, n) matrix NS iterates on (m ≤ n), Muon leaves only.
     batch: how many such matrices the leaf holds.
-    scale: the update-scale factor.
+    scale: the shape factor (None when it is a hyperparameter set at run time).
     ns_flops: NS FLOPs per step for the whole leaf.
     placement: where its matrices are orthogonalized (sharded leaves only).
     qk_clip: its QK-clip role and heads (query and key projections only).
@@ -96,10 +131,9 @@ class RoutingSummary:
              f"{r.ns_flops / 1e9:.3f}" if r.ns_flops else "", r.placement)
             for r in self.rows]
     n_muon, n_adam = len(self.by_optimizer(MUON)), len(self.by_optimizer(ADAM))
-    footer = (f"{n_muon} leaves on Muon, {n_adam} on AdamW; NS "
+    footer = (f"{_plural(n_muon, 'leaf', 'leaves')} on Muon, {n_adam} on AdamW; NS "
               f"{self.total_ns_flops / 1e9:.3f} GFLOP per step.")
-    sharded = self.plan is not None and self.plan.sharded
-    if sharded:
+    if self.plan is not None and self.plan.sharded:
       footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
                  f"{self.plan.critical_ns_flops() / 1e9:.3f} GFLOP on the busiest device "
                  f"(lower bound {self.plan.ns_flops_bound() / 1e9:.3f}).")
@@ -113,78 +147,86 @@ class RoutingSummary:
     return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer, *self.notes])
 
 
-def _notes(config: MuonConfig, rows: list[LeafSummary]) -> tuple[str, ...]:
+def _notes(options: MuonOptions, rows: list[LeafSummary], roles: list[str]) -> tuple[str, ...]:
   notes = []
-  if config.normalization == "neuron":
-    n_muon = sum(r.optimizer == MUON for r in rows)
-    notes.append(f"NorMuon on all Muon leaves ({n_muon}): updates normalized per output "
-                 "neuron after NS.")
-  if config.cautious_weight_decay:
+  n_muon = sum(r.optimizer == MUON for r in rows)
+  if options.normalization is not None:
+    notes.append(f"NorMuon (β₂ = {options.normalization.beta:g}) on "
+                 f"{_plural(n_muon, 'Muon leaf', 'Muon leaves')}: updates normalized per "
+                 "output neuron after NS.")
+  if options.consistent_rms == "injected":
+    notes.append("Scale: consistent_rms·√max(n_in, n_out), consistent_rms set at run time.")
+  if options.cautious_weight_decay:
     notes.append("Cautious weight decay: Muon and AdamW leaves are decayed only where the "
                  "parameter and the update agree in sign.")
+  if options.qk_clip is not None:
+    notes.append(f"QK-clip (τ = {options.qk_clip.threshold:g}, α = {options.qk_clip.alpha:g}) "
+                 "on " + ", ".join(f"{roles.count(role)} {role}" for role in ROLES
+                                   if role in roles) + " projections.")
   return tuple(notes)
 
 
-def summarize(params: Any, tx: MuonTransformation, *, print_table: bool = False
-              ) -> RoutingSummary:
+def summarize(params: Any, tx: Any, *, print_table: bool = False) -> RoutingSummary:
   """Shows, per leaf, which optimizer ``tx`` applies and what NS costs there.
 
   Args:
     params: the params (arrays or ``jax.ShapeDtypeStruct``s).
-    tx: a transformation from ``muon`` or ``scale_by_muon``.
+    tx: a transformation that contains ``muon`` or ``scale_by_muon`` (directly or inside
+      ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
+      ``optax.apply_if_finite``, ...), an ``nnx.Optimizer``, or an optimizer state.
     print_table: also print the table.
 
   Returns:
     A ``RoutingSummary``.
 
   Raises:
-    ValueError: if ``tx`` did not come from this package, or its routing does not fit
+    ValueError: if ``tx`` holds no Muon transformation, or its routing does not fit
       ``params``.
 
   Examples:
-    >>> import jax.numpy as jnp, optax_muon
+    >>> import jax.numpy as jnp, optax, optax_muon
     >>> params = {"embed": jnp.zeros((256, 64)), "w": jnp.zeros((64, 256))}
-    >>> summary = optax_muon.summarize(params, optax_muon.muon(0.02))
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax_muon.muon(0.02))
+    >>> summary = optax_muon.summarize(params, tx)
     >>> print(summary.rows[1].path, summary.rows[1].reason, summary.rows[1].scale)
     w 2-D 2.0
     >>> print(str(summary).splitlines()[-1])
-    1 leaves on Muon, 1 on AdamW; NS 0.016 GFLOP per step.
+    1 leaf on Muon, 1 on AdamW; NS 0.016 GFLOP per step.
   """
-  config = getattr(tx, "muon_config", None)
-  if config is None:
-    raise ValueError(f"summarize needs a transformation from optax_muon.muon or "
-                     f"scale_by_muon (it carries the routing); got {type(tx).__name__}.")
+  options = find_muon_options(tx, params)
+  spec = tree_spec(params, options)
+  return _summary(params, spec, print_table)
+
+
+def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
+  options = spec.options
   positions, _ = tree_utils.flatten_positions(params)
-  if tx.muon_router is None:
-    routes = [Route(tree_utils.path_str(p), MUON, "scale_by_muon")
-              if tree_utils.is_array_leaf(leaf) else None for p, leaf in positions]
-  else:
-    routes = tx.muon_router(params)
-  layouts = config.layouts(params, [r is not None and r.label == MUON for r in routes])
-  plan, plan_index = _plan(params, config, layouts)
-  clip = getattr(tx, "qk_clip", None)
-  projections = ([None] * len(positions) if clip is None
-                 else resolve_projections(clip.heads, params))
+  projections = ([None] * len(positions) if options.qk_clip is None
+                 else resolve_projections(options.qk_clip.heads, params))
+  plan = spec.plan
+  plan_index = {spec.muon_positions[k]: j for j, k in enumerate(spec.planned)}
+  consistent_rms = (None if options.consistent_rms == "injected" else options.consistent_rms)
   rows = []
-  for i, ((_, leaf), r, layout, p) in enumerate(zip(positions, routes, layouts, projections)):
-    if r is None:
+  for i, ((_, leaf), leaf_spec, p) in enumerate(zip(positions, spec.leaves, projections)):
+    if leaf_spec is None:
       continue
-    row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.label, r.reason,
+    r = leaf_spec.route
+    row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.optimizer,
+                      r.reason.describe(len(leaf_spec.shape)),
                       qk_clip=p.describe() if p is not None else "")
+    layout = leaf_spec.layout
     if layout is not None:
-      m, n = canonical_shape(layout)
+      m, n = layout.ns_shape
+      sharded = i in plan_index and plan.leaves[plan_index[i]].sharding is not None
       row = dataclasses.replace(
-          row, ns_matrix=(m, n), batch=layout.batch, scale=float(config.factor(layout)),
-          ns_flops=layout.batch * config.ns.flops(m, n, layout.dtype),
-          placement=plan.leaf_placement(plan_index[i]) if i in plan_index else "")
+          row, ns_matrix=(m, n), batch=layout.batch,
+          scale=(None if options.consistent_rms == "injected" else float(scale_factor(
+              layout.n_in, layout.n_out, options.scale, consistent_rms=consistent_rms))),
+          ns_flops=layout.batch * options.ns.flops(m, n, layout.dtype, options.ns_steps),
+          placement=_placement(plan, plan_index[i]) if sharded else "")
     rows.append(row)
-  notes = _notes(config, rows)
-  if clip is not None:
-    roles = [p.role for p in projections if p is not None]
-    notes += (f"QK-clip (τ = {clip.threshold:g}, α = {clip.alpha:g}) on "
-              + ", ".join(f"{roles.count(role)} {role}" for role in ROLES if role in roles)
-              + " projections.",)
-  summary = RoutingSummary(tuple(rows), plan, notes)
+  summary = RoutingSummary(tuple(rows), plan, _notes(
+      options, rows, [p.role for p in projections if p is not None]))
   if print_table:
     print(summary)
   return summary

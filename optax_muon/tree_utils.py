@@ -1,7 +1,8 @@
-"""Leaf paths and prefix-tree broadcasting with errors that name the offending path."""
+"""Leaf paths, frozen prefix trees, and broadcasting with errors that name the leaf path."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -55,26 +56,95 @@ def is_array_leaf(x: Any) -> bool:
   return not _is_placeholder(x)
 
 
-def _listing(paths: list[str], limit: int = 6) -> str:
+def listing(paths: list[str], limit: int = 6) -> str:
   shown = ", ".join(f"'{p}'" for p in paths[:limit])
   return f"[{shown}{', ...' if len(paths) > limit else ''}] ({len(paths)} in all)"
 
 
-def broadcast_prefix(prefix: Any, tree: Any, *, is_value: Callable[[Any], bool],
-                     what: str) -> list[Any]:
-  """Gives every position of ``tree`` the value of the ``prefix`` entry above it.
+@dataclasses.dataclass(frozen=True)
+class FrozenPrefix:
+  """A user's tree, prefix tree or single value, frozen: hashable, compared by value.
 
-  Entries are matched to leaves by path (``canonical_path``), so the prefix may be a pure
-  dict, an ``nnx.State`` or a tree of Flax variables or boxes while the tree is another of
-  these.
+  Entries are keyed by ``canonical_path``, so the tree it came from may be a pure dict, an
+  ``nnx.State`` or a tree of Flax variables or boxes; ``broadcast_prefix`` matches it to
+  any of these.
+
+  Attributes:
+    what: the argument's name, for error messages.
+    entries: (canonical path, value or None) pairs, in the tree's order.
+  """
+
+  what: str
+  entries: tuple[tuple[tuple, Any], ...]
+
+
+def _hashable(value: Any, path: str, what: str) -> Any:
+  """``value`` with list fields of a NamedTuple made tuples; raises if still unhashable."""
+  if isinstance(value, tuple) and hasattr(value, "_fields"):
+    value = type(value)(*(tuple(f) if isinstance(f, list) else f for f in value))
+  try:
+    hash(value)
+  except TypeError:
+    raise ValueError(f"{what}: the entry at '{path}' ({value!r}) is not hashable; pass "
+                     "plain values (numbers, strings, tuples, shardings).") from None
+  return value
+
+
+def freeze_prefix(prefix: Any, *, is_value: Callable[[Any], bool], what: str
+                  ) -> FrozenPrefix | Callable | None:
+  """A per-leaf argument in the form options keep: frozen, or a callable kept as it is.
 
   Args:
-    prefix: a tree whose leaves (``is_value``, None or MaskedNode, the last two read as None)
-      each stand for a subtree of ``tree``; a single value stands for the whole tree.
-      Callables are resolved by the caller.
-    tree: the params (or updates).
-    is_value: which objects in ``prefix`` are values rather than containers.
+    prefix: None, a single value, a tree or prefix tree of values (None or MaskedNode
+      entries read as None), a callable ``params -> such a tree``, or a ``FrozenPrefix``.
+    is_value: which objects are values rather than containers.
     what: the argument's name, for error messages.
+
+  Returns:
+    None, the callable, or a ``FrozenPrefix``.
+
+  Raises:
+    ValueError: for a value that is not hashable, naming its path.
+  """
+  if prefix is None or isinstance(prefix, FrozenPrefix):
+    return prefix
+  if callable(prefix) and not is_value(prefix):
+    return prefix
+  entries, _ = jax.tree_util.tree_flatten_with_path(
+      prefix, is_leaf=lambda x: _is_placeholder(x) or is_value(x))
+  return FrozenPrefix(what, tuple(
+      (canonical_path(path), None if _is_placeholder(value)
+       else _hashable(value, path_str(path), what)) for path, value in entries))
+
+
+def resolve_prefix(prefix: FrozenPrefix | Callable | None, tree: Any, *,
+                   is_value: Callable[[Any], bool], what: str) -> list[Any]:
+  """One value (or None) per position of ``flatten_positions(tree)``.
+
+  Args:
+    prefix: as ``freeze_prefix`` returns it; a callable is called with ``tree``.
+    tree: the params (or updates).
+    is_value: which objects are values rather than containers.
+    what: the argument's name, for error messages.
+
+  Raises:
+    ValueError: as ``broadcast_prefix``.
+  """
+  if prefix is None:
+    return [None] * len(flatten_positions(tree)[0])
+  if not isinstance(prefix, FrozenPrefix):
+    prefix = freeze_prefix(prefix(tree), is_value=is_value, what=what)
+    if prefix is None:
+      return [None] * len(flatten_positions(tree)[0])
+  return broadcast_prefix(prefix, tree)
+
+
+def broadcast_prefix(prefix: FrozenPrefix, tree: Any) -> list[Any]:
+  """Gives every position of ``tree`` the value of the ``prefix`` entry above it.
+
+  Args:
+    prefix: the frozen prefix tree; a single value stands for the whole tree.
+    tree: the params (or updates).
 
   Returns:
     One value per position of ``flatten_positions(tree)``, in that order.
@@ -83,13 +153,11 @@ def broadcast_prefix(prefix: Any, tree: Any, *, is_value: Callable[[Any], bool],
     ValueError: if a position has no entry above it, or an entry matches no position; the
       message names the leaf and lists the params' and the argument's paths side by side.
   """
-  entries, _ = jax.tree_util.tree_flatten_with_path(
-      prefix, is_leaf=lambda x: _is_placeholder(x) or is_value(x))
-  by_path = {canonical_path(path): None if _is_placeholder(value) else value
-             for path, value in entries}
+  what = prefix.what
+  by_path = dict(prefix.entries)
   positions, _ = flatten_positions(tree)
   leaf_paths = [canonical_path(path) for path, _ in positions]
-  show = lambda paths: _listing(["/".join(map(str, p)) or "<root>" for p in paths])
+  show = lambda paths: listing(["/".join(map(str, p)) or "<root>" for p in paths])
   side_by_side = (f" The params have leaves {show(leaf_paths)}; {what} has entries "
                   f"{show(list(by_path))}.")
   used, values = set(), []

@@ -1,20 +1,25 @@
-"""Executing a ``Plan``: whole matrices to their owners, Newton–Schulz there, and back.
+"""The orthogonalize stage: runs the plan, whole matrices to their owners, NS there, back.
 
-The one way NS is run. ``orthogonalize`` takes every Muon leaf: the trivial group (leaves
-without shardings: one worker, no exchange) runs on the arrays as they are; the sharded
-groups run the per-device program (local blocks in, local blocks out, collectives by
+The one way NS is run on a tree. ``orthogonalize`` takes every Muon leaf: the trivial group
+(leaves without shardings: one worker, no exchange) runs on the arrays as they are; the
+sharded groups run the per-device program (local blocks in, local blocks out, collectives by
 mesh-axis name) under ``jax.shard_map``, or directly inside a user's own ``shard_map``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program
+from optax_muon.spec import TreeSpec
+
+# Newton–Schulz of a (batch, m, n) stack of matrices with m ≤ n.
+NSFunction = Callable[[jax.Array], jax.Array]
 
 
 def _local_matrices(p: LeafPlacement, block: jax.Array) -> jax.Array:
@@ -41,13 +46,13 @@ def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array) -> 
   grouped = p.reduction_positions + p.output_positions
   t = jnp.transpose(t, (0, *(1 + k for k in grouped)))
   t = t.reshape(slots, p.layout.n_in, p.layout.n_out)
-  return jnp.swapaxes(t, 1, 2) if p.layout.n_in > p.layout.n_out else t
+  return jnp.swapaxes(t, 1, 2) if p.layout.transposed else t
 
 
 def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array) -> jax.Array:
   """Inverse of ``_assemble``: (S, m, n) → (g, S, L)."""
   slots = mats.shape[0]
-  if p.layout.n_in > p.layout.n_out:
+  if p.layout.transposed:
     mats = jnp.swapaxes(mats, 1, 2)
   grouped = p.reduction_positions + p.output_positions
   dims = p.matrix_dims
@@ -86,7 +91,7 @@ def _index(axes: tuple[str, ...]):
   return jax.lax.axis_index(axes) if axes else 0
 
 
-def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan,
+def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: NSFunction,
                  pieces: list[jax.Array]) -> list[jax.Array]:
   """NS of the matrices one worker owns.
 
@@ -95,6 +100,7 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan,
     ex: its exchange.
     group: its group.
     plan: the plan.
+    ns: Newton–Schulz of a stack of matrices.
     pieces: per bucket, (g, n, L): the g pieces of each of the worker's n matrices.
 
   Returns:
@@ -111,7 +117,7 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan,
     mats = jnp.concatenate([
         _assemble(plan.leaves[i], group, mesh, x[:, a:b].astype(bucket.dtype))
         for (i, _), a, b in zip(runs, starts[:-1], starts[1:])])  # (n, m, n')
-    result = plan.ns.run(mats)
+    result = ns(mats)
     out.append(jnp.concatenate([
         _disassemble(plan.leaves[i], group, mesh, result[a:b]).astype(x.dtype)
         for (i, _), a, b in zip(runs, starts[:-1], starts[1:])], axis=1))
@@ -143,7 +149,7 @@ def _take_rows(x: jax.Array, order: np.ndarray) -> jax.Array:
   return jnp.take(x, order, axis=0)
 
 
-def _owner_program(ex: Exchange, group: Group, plan: Plan, program,
+def _owner_program(ex: Exchange, group: Group, plan: Plan, ns: NSFunction, program,
                    received: jax.Array) -> jax.Array:
   """One worker's branch: (g, chunk) received pieces → (g, chunk) pieces of the results."""
   g, offset, pieces = group.exchange_size, 0, []
@@ -152,13 +158,13 @@ def _owner_program(ex: Exchange, group: Group, plan: Plan, program,
     size = n * b.piece_size(g)
     pieces.append(received[:, offset:offset + size].reshape(g, n, b.piece_size(g)))
     offset += size
-  results = _run_program(program, ex, group, plan, pieces)
+  results = _run_program(program, ex, group, plan, ns, pieces)
   reply = jnp.concatenate([r.reshape(g, -1) for r in results], axis=1)
   return jnp.pad(reply, ((0, 0), (0, received.shape[1] - reply.shape[1])))
 
 
-def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
-              out: list) -> None:
+def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
+                  ex: Exchange, out: list) -> None:
   """Orthogonalizes the matrices of ``ex`` with one all-to-all each way; fills ``out``."""
   g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
   # 1. Each bucket's local matrices, one piece each: (K, L).
@@ -166,7 +172,7 @@ def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
             for b in ex.buckets]
   if workers == 1:  # the trivial plan: every matrix whole, here, in its program's order
     order = [np.asarray(owned, np.int64) for owned in ex.owned[0]]
-    results = _run_program(ex.programs[0], ex, group, plan,
+    results = _run_program(ex.programs[0], ex, group, plan, ns,
                            [_take_rows(s, o)[None] for s, o in zip(stacks, order)])
     rows = [_take_rows(r[0], np.argsort(o)) for r, o in zip(results, order)]
   else:
@@ -185,7 +191,8 @@ def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
     if g > 1:
       buffer = _all_to_all(buffer, x_axes)
     # 4. Whole matrices, NS, pieces again: each distinct program is one switch branch.
-    branches = [functools.partial(_owner_program, ex, group, plan, p) for p in ex.programs]
+    branches = [functools.partial(_owner_program, ex, group, plan, ns, p)
+                for p in ex.programs]
     if len(branches) == 1:
       buffer = branches[0](buffer)
     else:
@@ -213,14 +220,15 @@ def _exchange(blocks: list[jax.Array], plan: Plan, group: Group, ex: Exchange,
       start += count
 
 
-def orthogonalize_local(blocks: list[jax.Array], plan: Plan, groups: list[Group]
-                        ) -> list[jax.Array | None]:
+def _orthogonalize_local(blocks: list[jax.Array], plan: Plan, ns: NSFunction,
+                         groups: list[Group]) -> list[jax.Array | None]:
   """The per-device program of ``groups``.
 
   Args:
     blocks: this device's local block of each Muon leaf (``plan.leaves`` order); only
       those of ``groups`` are read.
     plan: the plan.
+    ns: Newton–Schulz of a stack of matrices.
     groups: the groups to run.
 
   Returns:
@@ -229,27 +237,39 @@ def orthogonalize_local(blocks: list[jax.Array], plan: Plan, groups: list[Group]
   out: list[jax.Array | None] = [None] * len(blocks)
   for group in groups:
     for ex in group.exchanges:
-      _exchange(blocks, plan, group, ex, out)
+      _run_exchange(blocks, plan, ns, group, ex, out)
   return out
 
 
-def orthogonalize(xs: list[jax.Array], plan: Plan, manual: bool) -> list[jax.Array]:
-  """NS of every matrix of every Muon leaf, by the plan.
+def orthogonalize(xs: list[jax.Array], spec: TreeSpec, ns: NSFunction) -> list[jax.Array]:
+  """NS of every matrix of every Muon leaf, by the spec's plan.
 
   Args:
-    xs: the NS inputs, ``plan.leaves`` order: global arrays, or local blocks when
-      ``manual``.
-    plan: the plan.
-    manual: inside a ``shard_map`` (collectives by axis name on local blocks).
+    xs: the NS inputs, one per Muon leaf (``spec.muon_positions`` order): global arrays, or
+      local blocks inside ``shard_map``.
+    spec: the tree's spec.
+    ns: Newton–Schulz of a (batch, m, n) stack, m ≤ n.
 
   Returns:
-    The orthogonalized leaves (or local blocks), same shapes and dtypes as ``xs``.
+    The orthogonalized leaves (or local blocks), same shapes and dtypes as ``xs``; leaves
+    with no elements come back as they are.
   """
+  out = list(xs)
+  planned = [xs[k] for k in spec.planned]
+  for k, y in zip(spec.planned, _run_plan(planned, spec.plan, ns, spec.manual)):
+    out[k] = y
+  return out
+
+
+def _run_plan(xs: list[jax.Array], plan: Plan, ns: NSFunction, manual: bool
+              ) -> list[jax.Array]:
+  """NS of the leaves ``xs`` (``plan.leaves`` order) by ``plan``; ``manual``: inside a
+  ``shard_map`` (collectives by axis name on local blocks)."""
   trivial = [g for g in plan.groups if not g.sharded]
   sharded = [g for g in plan.groups if g.sharded]
-  out = orthogonalize_local(xs, plan, trivial)
+  out = _orthogonalize_local(xs, plan, ns, trivial)
   if sharded and manual:
-    done = orthogonalize_local(xs, plan, sharded)
+    done = _orthogonalize_local(xs, plan, ns, sharded)
   elif sharded:
     index = [i for g in sharded for b in g.buckets for i in b.members]
     mesh = plan.leaves[index[0]].sharding.mesh
@@ -259,7 +279,7 @@ def orthogonalize(xs: list[jax.Array], plan: Plan, manual: bool) -> list[jax.Arr
       local = [None] * len(xs)
       for i, block in zip(index, blocks):
         local[i] = block
-      result = orthogonalize_local(local, plan, sharded)
+      result = _orthogonalize_local(local, plan, ns, sharded)
       return tuple(result[i] for i in index)
 
     # check_vma=False: an all-gather's result is the same on every replica (as the

@@ -1,0 +1,193 @@
+"""The option objects of this package: frozen, validated once, compared by value.
+
+``scale_by_muon`` and ``muon`` take optax.contrib's arguments as they are; what this package
+adds comes grouped here, one object per concept: how Newton–Schulz runs (``NSOptions``),
+how sharded leaves are exchanged (``ShardingOptions``), NorMuon (``NorMuon``) and which leaf
+goes to which optimizer (``Routing``). QK-clip's options live with it (``qk_clip.QKClip``).
+Every field is checked when the object is made, with a ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from optax_muon import tree_utils
+from optax_muon.newton_schulz import GRAM_RESTART, METHODS, ns_flops, ns_orientation, uses_gram
+
+REPLICA_POLICIES = ("split", "redundant")
+EXCHANGES = ("combined", "per_shape")
+MOMENTUM_KINDS = ("ema", "ema_uncorrected", "sum")
+
+#: Leaves whose path matches this go to AdamW under the default routing: embeddings and
+#: output heads (any path component containing "embed", or named lm_head, wte, wpe, head).
+DEFAULT_ADAM_PATTERN = r"(?i)embed|(^|/)(lm_head|wte|wpe|head)(/|$)"
+
+
+def check_number(name: str, value: Any, low: float, high: float | None = None, *,
+                 low_open: bool = False, high_closed: bool = False) -> None:
+  """Raises ValueError if a Python number lies outside [low, high).
+
+  ``low_open`` excludes ``low``, ``high_closed`` includes ``high``. Arrays and traced values
+  (``optax.inject_hyperparams``) pass unchecked.
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return
+  too_low = value <= low if low_open else value < low
+  too_high = high is not None and (value > high if high_closed else value >= high)
+  if too_low or too_high or value != value:
+    interval = (f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}"
+                f"{']' if high_closed else ')'}")
+    raise ValueError(f"{name} must lie in {interval}, got {value!r}.")
+
+
+def _choice(owner: str, name: str, value: Any, choices: tuple) -> None:
+  if value not in choices:
+    raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}.")
+
+
+def _dtype_or_none(value: Any) -> np.dtype | None:
+  return None if value is None else jnp.dtype(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class NSOptions:
+  """How Newton–Schulz runs (the coefficients are ``ns_coeffs``/``ns_steps``).
+
+  Attributes:
+    compute_dtype: dtype of the NS matrix products (e.g. ``jnp.bfloat16``); ``None`` keeps
+      the input's.
+    method: ``"standard"``, ``"gram"`` (the iteration carried out on the short side's Gram
+      matrix, restarted every ``gram_restart`` steps) or ``"auto"`` (Gram where it needs
+      fewer FLOPs and the products run in float32 or wider; see ``newton_schulz``).
+    gram_restart: steps between Gram restarts, a positive integer.
+    stack_same_shape: run same-shape matrices (short side first) as one batched NS call
+      instead of one call per leaf.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_muon
+    >>> optax_muon.NSOptions(compute_dtype=jnp.bfloat16).method
+    'auto'
+    >>> optax_muon.NSOptions(method="fast")
+    Traceback (most recent call last):
+    ...
+    ValueError: NSOptions.method must be one of ('standard', 'gram', 'auto'), got 'fast'.
+  """
+
+  compute_dtype: Any = None
+  method: str = "auto"
+  gram_restart: int = GRAM_RESTART
+  stack_same_shape: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "compute_dtype", _dtype_or_none(self.compute_dtype))
+    _choice("NSOptions", "method", self.method, METHODS)
+    if (isinstance(self.gram_restart, bool) or not isinstance(self.gram_restart, int)
+        or self.gram_restart < 1):
+      raise ValueError(f"NSOptions.gram_restart must be a positive integer, got "
+                       f"{self.gram_restart!r}.")
+
+  def flops(self, m: int, n: int, dtype: Any, steps: int) -> int:
+    """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these options."""
+    (m, n), _ = ns_orientation(m, n)
+    gram = uses_gram(self.method, m, n, steps, self.gram_restart,
+                     self.compute_dtype or jnp.dtype(dtype))
+    return ns_flops(m, n, steps, gram, self.gram_restart)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingOptions:
+  """How the plan moves sharded matrices to their owners (see ``optax_muon.plan``).
+
+  Attributes:
+    replica_policy: for leaves replicated over some mesh axes: ``"split"`` the NS work
+      among the replicas and all-gather the results, or compute it ``"redundant"``ly on each.
+    wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the bytes);
+      ``None`` keeps the leaves'.
+    exchange: ``"combined"``: one all-to-all each way for all leaves that share their mesh
+      axes, owners balanced over every shape at once (on FSDP and FSDP × TP meshes one for
+      the whole tree); ``"per_shape"``: one each way per same-shape set of matrices, each
+      spread evenly, so that only one set's buffers are alive at a time (less balance).
+
+  Examples:
+    >>> import optax_muon
+    >>> optax_muon.ShardingOptions(replica_policy="redundant").exchange
+    'combined'
+  """
+
+  replica_policy: str = "split"
+  wire_dtype: Any = None
+  exchange: str = "combined"
+
+  def __post_init__(self):
+    object.__setattr__(self, "wire_dtype", _dtype_or_none(self.wire_dtype))
+    _choice("ShardingOptions", "replica_policy", self.replica_policy, REPLICA_POLICIES)
+    _choice("ShardingOptions", "exchange", self.exchange, EXCHANGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class NorMuon:
+  """NorMuon: after Newton–Schulz, each output neuron's update is divided by the root of an
+  EMA of its mean square, then the matrix gets its Frobenius norm back (see ``normuon``).
+
+  Attributes:
+    beta: β₂ of the second-moment EMA, in [0, 1).
+
+  References:
+    Li et al., `NorMuon: Making Muon more efficient and scalable
+    <https://arxiv.org/abs/2510.05491>`_, 2025.
+  """
+
+  beta: float = 0.95
+
+  def __post_init__(self):
+    check_number("NorMuon.beta", self.beta, 0.0, 1.0)
+
+
+def _is_label(x: Any) -> bool:
+  return isinstance(x, str)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Which leaves ``muon`` sends to Muon and which to AdamW (see ``routing.route``).
+
+  Attributes:
+    labels: ``"muon"``/``"adam"`` per leaf: a tree, prefix tree, single label or callable
+      ``params -> such a tree``; overrides every other rule.
+    adam_pattern: a regular expression searched in each leaf's path: under the default rule,
+      2-D leaves that match go to AdamW (embeddings, output heads); ``None`` disables it
+      (optax.contrib's every-2-D rule).
+
+  Examples:
+    >>> import optax_muon
+    >>> optax_muon.Routing(labels={"w": "muon", "b": "adam"}).adam_pattern is not None
+    True
+  """
+
+  labels: Any = None
+  adam_pattern: str | None = DEFAULT_ADAM_PATTERN
+
+  def __post_init__(self):
+    object.__setattr__(self, "labels", tree_utils.freeze_prefix(
+        self.labels, is_value=_is_label, what="labels"))
+    if self.adam_pattern is not None and not isinstance(self.adam_pattern, str):
+      raise ValueError(f"Routing.adam_pattern must be a regular expression (str) or None, "
+                       f"got {self.adam_pattern!r}.")
+
+
+def check_option(name: str, value: Any, kind: type, default: Any = None) -> Any:
+  """``value``, or ``default`` when it is None.
+
+  Raises:
+    ValueError: naming the argument, if ``value`` is neither None nor a ``kind``.
+  """
+  if value is None:
+    return default
+  if not isinstance(value, kind):
+    raise ValueError(f"{name} must be an optax_muon.{kind.__name__} or None, got "
+                     f"{type(value).__name__}: {value!r}.")
+  return value
