@@ -9,9 +9,9 @@ same budget, warmup + cosine schedule, batch stream and init for a given seed.
    rates, AdamW parts at A*. By default these are ``BEST_LRS``, the winners of the full
    sweep; ``--sweep`` redoes it (every sweep is extended, ×2 or ÷2 at most twice, while its
    best value sits at an end).
-2. Ablations with this package's routing, at its learning rate: NAdamW instead of AdamW on
-   the AdamW leaves (``adam_nesterov=True``), Polar Express coefficients, both.
-3. NorMuon (``normalization="neuron"``), its Muon learning rate swept.
+2. An ablation with this package's routing, at its learning rate: Polar Express
+   coefficients.
+3. NorMuon (``normalization=NorMuon()``), its Muon learning rate swept.
 4. Decoupled weight decay ``WEIGHT_DECAY`` on both branches, plain and cautious, and
    NorMuon with cautious decay (at NorMuon's learning rate).
 5. Single-seed variants: sum momentum, and rms scaling at AdamW's learning rate A* (the
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
   best["optax_muon"], sweeps["optax_muon"] = sweep("optax_muon", "optax_muon",
                                                    muon_lrs["optax_muon"], best_adam)
   lr = best["optax_muon"]
-  normuon = dict(normalization="neuron")
+  normuon = dict(normalization=optax_muon.NorMuon())
   go(f"optax_muon NorMuon lr={normuon_lrs[0]:g}", "optax_muon", normuon_lrs[0], best_adam,
      **normuon)
   decay = dict(weight_decay=WEIGHT_DECAY, adam_weight_decay=WEIGHT_DECAY)
@@ -203,7 +203,6 @@ def main(argv=None) -> dict:
       f"optax_muon cautious weight decay {WEIGHT_DECAY:g}": dict(cautious_weight_decay=True,
                                                                  **decay),
       f"optax_muon weight decay {WEIGHT_DECAY:g}": decay,
-      "optax_muon NAdamW on AdamW leaves": dict(adam_nesterov=True),
       "optax_muon polar_express": dict(ns_coeffs="polar_express"),
   }
   for name, variant in ablations.items():
@@ -224,10 +223,6 @@ def main(argv=None) -> dict:
       go(name, "optax_muon", lr, best_adam, seed=seed, **variant)
     go(both, "optax_muon", best["normuon"], best_adam, seed=seed, cautious_weight_decay=True,
        **normuon, **decay)
-  combined = "optax_muon NAdamW + polar_express"
-  for seed in seeds:
-    go(combined, "optax_muon", lr, best_adam, seed=seed, adam_nesterov=True,
-       ns_coeffs="polar_express")
   singles = {"optax_muon sum momentum": (lr, dict(momentum="sum")),
              "optax_muon rms scale @ AdamW lr": (best_adam, dict(consistent_rms=0.2))}
   for name, (single_lr, variant) in singles.items():
@@ -242,7 +237,7 @@ def main(argv=None) -> dict:
              "optax_muon.muon": f"optax_muon lr={best['optax_muon']:g}",
              "optax.contrib.muon": f"contrib lr={best['contrib']:g}",
              "optax_muon NorMuon": f"optax_muon NorMuon lr={best['normuon']:g}",
-             **{k: k for k in (*ablations, both, combined, *singles)}}
+             **{k: k for k in (*ablations, both, *singles)}}
   mean_curve = lambda rs: [(t, float(np.mean([r["curve"][k][1] for r in rs])))
                            for k, (t, _) in enumerate(rs[0]["curve"])]
   target = mean_curve(runs_of(winners["AdamW"]))[-1][1]

@@ -1,5 +1,5 @@
-"""Sharded Muon at scale, read off the compiled update: the balanced plan vs the previous
-(uniform) plan, next to optax.contrib.muon's compile time.
+"""Sharded Muon at scale, read off the compiled update: this checkout vs an earlier one
+(``--baseline``), next to optax.contrib.muon's compile time.
 
 Trees (``trees.py``; embedding and head on AdamW, every block matrix on Muon; Jordan, 5 NS
 steps, standard iteration, f32):
@@ -28,18 +28,17 @@ mesh gives the same program for optax_muon). Per device, per step, from the comp
 * compile: seconds to lower and compile the update, and optax.contrib.muon's on the same
   tree and mesh (caches cleared; the faster of two compiles each, alternating).
 
-The previous plan is measured from its own code: ``--baseline REV`` (default: the last
-commit with the uniform plan) is extracted with ``git archive`` and put first on the path
-of a second child process.
+The "old" columns are measured from earlier code: ``--baseline REV`` (default: the last
+commit before the static per-tree spec and the option objects) is extracted with ``git
+archive`` and put first on the path of a second child process.
 
-  python benchmarks/sharding.py           # 8, 16, 64 devices, new and previous plan
+  python benchmarks/sharding.py           # 8, 16, 64 devices, this code and the baseline's
   python benchmarks/sharding.py --quick   # CI: 8 devices, small trees, new plan only
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -49,7 +48,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BASELINE = "92a0eec"  # the last commit with the uniform plan
+BASELINE = "35fe8d1"  # the last commit before the static spec and the option objects
 COUNTS = (8, 16, 64)
 
 
@@ -75,11 +74,7 @@ import optax_muon  # noqa: E402
 from single_device import table  # noqa: E402
 from trees import gpt_tree, llama_tree, moe_tree, muon_dims, stacked_dims  # noqa: E402
 
-# The metrics always come from this checkout's HLO reader, also when optax_muon is the
-# baseline's.
-_spec = importlib.util.spec_from_file_location("hlo_cost_here", ROOT / "optax_muon/hlo_cost.py")
-hlo_cost = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hlo_cost)
+import hlo_cost  # noqa: E402  (this checkout's HLO reader, also when optax_muon is the baseline's)
 
 ADAM = ("embed", "lm_head")
 
@@ -173,6 +168,29 @@ def bounds(params, dims, n: int) -> dict:
           "chunk min": 2 * (n - 1) / n * max(total_b / n, max(sizes))}
 
 
+def _benchmarked_muon(dims, shardings):
+  """The measured optimizer: standard NS iteration, plan from ``shardings``; also with the
+  flat keywords of the code before the option objects (a ``--baseline`` checkout)."""
+  if hasattr(optax_muon, "NSOptions"):
+    return optax_muon.muon(0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings,
+                           ns_options=optax_muon.NSOptions(method="standard"))
+  return optax_muon.muon(0.02, muon_weight_dimension_numbers=dims, method="standard",
+                         param_shardings=shardings)
+
+
+def _lpt_plan(plan):
+  """The same matrices placed by FLOPs alone (plain longest processing time first)."""
+  layouts, shardings = [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves]
+  if hasattr(plan, "ns"):  # a --baseline checkout from before the option objects
+    return optax_muon.plan.build_plan(layouts, shardings, plan.ns, exchange=plan.exchange,
+                                      weigh_bytes=False)
+  costs = {(p.layout.ns_shape, p.layout.dtype): p.flops for p in plan.leaves}
+  return optax_muon.plan.build_plan(
+      layouts, shardings, lambda m, n, dtype: costs[(m, n), dtype],
+      optax_muon.ShardingOptions(exchange=plan.exchange, wire_dtype=plan.wire_dtype),
+      weigh_bytes=False)
+
+
 def compile_update(tx, params, shardings, mesh):
   """(compiled update, seconds to lower and compile it, the sharded params)."""
   sharded = jax.tree.map(jax.device_put, params, shardings)
@@ -200,18 +218,14 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
   for name, params, dims, contrib_dims in trees(quick):
     mesh, specs_fn, mesh_name = mesh_for(name, n)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
-    tx = optax_muon.muon(0.02, muon_weight_dimension_numbers=dims, method="standard",
-                         param_shardings=shardings)
+    tx = _benchmarked_muon(dims, shardings)
     compiled, _, sharded = compile_update(tx, params, shardings, mesh)
     cost = hlo_cost.analyze(compiled, n)
     plan = optax_muon.summarize(sharded, tx).plan
     row = {"tree": name, "mesh": mesh_name, "N": n}
     if hasattr(plan, "switches"):  # the balanced plan: devices may run different branches
       row["flops"] = float(compiled_device_flops(cost, plan).max())
-      lpt = optax_muon.plan.build_plan(
-          [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves], plan.ns,
-          exchange=plan.exchange, weigh_bytes=False)
-      row["lpt"] = float(lpt.critical_ns_flops())
+      row["lpt"] = float(_lpt_plan(plan).critical_ns_flops())
       row["ragged"] = float(plan.device_received_bytes(ragged=True).max())
       row["branches"] = sum(len(ex.programs) for g in plan.groups for ex in g.exchanges)
     else:  # the uniform plan: every device runs the same program
@@ -244,7 +258,7 @@ def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
   fns, args = {}, {}
   with jax.set_mesh(mesh):
     for policy in ("split", "redundant"):
-      tx = optax_muon.muon(0.02, replica_policy=policy)
+      tx = optax_muon.muon(0.02, sharding=optax_muon.ShardingOptions(replica_policy=policy))
       fns[policy] = jax.jit(tx.update)
       args[policy] = (replicated, jax.jit(tx.init)(replicated), replicated)
     times = alternate(fns, args, repeats)
@@ -303,7 +317,7 @@ def main(argv=None) -> list[dict]:
                                      "chunks", "ragged", "old temp", "temp")}
   formats["branches"] = "{}"
   formats.update({c: "{:.1f} s" for c in ("old compile", "compile", "contrib compile")})
-  print("per device, per step: critical NS FLOPs ÷ LB (previous plan, balanced plan, "
+  print("per device, per step: critical NS FLOPs ÷ LB (baseline, this code, "
         "FLOPs-only LPT), critical received bytes ÷ LB, temp ÷ (param shard + fair share), "
         "compile time of the update vs optax.contrib.muon's")
   print(table(rows, columns, formats))

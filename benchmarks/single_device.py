@@ -23,7 +23,6 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
-from optax_muon.orthogonalize import canonical_shape  # noqa: E402
 from trees import gpt_tree, muon_dims, random_like  # noqa: E402
 
 
@@ -46,7 +45,8 @@ def alternate(fns: dict, args: dict, repeats: int) -> dict[str, float]:
 
 def optimizers(params, stacked: bool, method: str) -> dict:
   """Same routing for both Muon implementations: every matrix (2-D or stacked) on Muon."""
-  ours = optax_muon.muon(0.02, adam_pattern=None, method=method, adam_nesterov=True,
+  ours = optax_muon.muon(0.02, routing=optax_muon.Routing(adam_pattern=None),
+                         ns_options=optax_muon.NSOptions(method=method),
                          muon_weight_dimension_numbers=muon_dims(params) if stacked else None)
   contrib = optax.contrib.muon(
       0.02, muon_weight_dimension_numbers=muon_dims(params, contrib=True) if stacked else None)
@@ -81,7 +81,7 @@ def bench_ns_throughput(d: int, layers: int, repeats: int) -> list[dict]:
   for x in jax.tree.leaves(params):
     if x.ndim == 3:
       layout = optax_muon.layout.make_layout("", x, optax_muon.MuonDimensionNumbers(1, 2))
-      shapes[canonical_shape(layout)] += layout.batch
+      shapes[layout.ns_shape] += layout.batch
   rows = []
   for (m, n), batch in sorted(shapes.items()):
     x = jax.random.normal(jax.random.PRNGKey(0), (batch, m, n))

@@ -8,7 +8,7 @@ NS work over the replicas). The batch is always sharded. Writes ``<out>/train_lm
 curves) and ``<out>/train_lm.png`` (the plot).
 
 ``--qk-clip TAU`` adds a run of Muon with QK-clip at threshold TAU (``muon(...,
-qk_clip_threshold=TAU)``, fed each step's per-head logit maxima) and records, for every
+qk_clip=QKClip(TAU, heads))``, fed each step's per-head logit maxima) and records, for every
 run, the largest attention logit on each step's batch with the parameters the step ends
 with (a second forward pass) in the JSON as ``"max_logit"``, plotted in
 ``<out>/train_lm_max_logit.png``.
@@ -98,8 +98,8 @@ def make_optimizers(args, cfg: GPTConfig) -> dict[str, optax.GradientTransformat
                                       **kw)
   optimizers = {"muon": muon()}
   if args.qk_clip is not None:
-    optimizers["muon+qk-clip"] = muon(qk_clip_threshold=args.qk_clip,
-                                      qk_clip_heads=qk_clip_heads(cfg.n_heads))
+    optimizers["muon+qk-clip"] = muon(
+        qk_clip=optax_muon.QKClip(args.qk_clip, qk_clip_heads(cfg.n_heads)))
   optimizers["adamw"] = optax.adamw(schedule(args.adam_lr), b2=0.95)
   return optimizers
 

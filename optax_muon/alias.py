@@ -167,6 +167,9 @@ def muon(
   check_number("consistent_rms", consistent_rms, 0.0, low_open=True)
   if scale not in SCALE_KINDS:
     raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}.")
+  if consistent_rms is not None and scale == "spectral":
+    raise ValueError("consistent_rms replaces the shape scale; pass it or "
+                     "scale='spectral', not both.")
   options = MuonOptions(
       coefficients.steps, check_option("ns_options", ns_options, NSOptions, NSOptions()),
       muon_weight_dimension_numbers, param_shardings,

@@ -22,8 +22,8 @@ def diagnostics(updates: Any, tx: Any, params: Any, sample: str | None = None
 
   Args:
     updates: the updates ``tx.update`` returned.
-    tx: the transformation (or its state) that ``muon`` or ``scale_by_muon`` is part of,
-      as ``summarize`` takes it.
+    tx: the transformation that ``muon`` or ``scale_by_muon`` is part of, or an
+      ``nnx.Optimizer``, as ``summarize`` takes it.
     params: the params (for routing and layouts).
     sample: path of the Muon leaf whose first matrix is checked for orthogonality; None
       takes the first Muon leaf.

@@ -7,17 +7,21 @@ pure function of Python values (no arrays), memoized per tree; ``init``, ``updat
 ``summarize`` and ``diagnostics`` all read it, and nothing downstream re-derives any of it.
 
 ``MuonOptions`` is what the spec depends on, and what ``summarize`` shows besides: the
-static options of one Muon transformation. Its state carries them (``MuonState.options``),
-so tools find them through ``optax.chain``, ``optax.inject_hyperparams``, ``MultiSteps`` or
-an ``nnx.Optimizer`` without attributes on the transformation.
+static options of one Muon transformation. A Muon transformation's ``init`` reports them
+while ``reporting_options`` is active, so tools find them by tracing the ``init`` of
+whatever holds it (``optax.chain``, ``optax.inject_hyperparams``, ``MultiSteps``, an
+``nnx.Optimizer``...), with no attributes on the transformation and nothing in its state.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -33,7 +37,6 @@ from optax_muon.sharding import (LeafSharding, inside_shard_map, is_sharding_val
                                  warn_if_left_to_the_partitioner)
 
 
-@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class MuonOptions:
   """The static options of one Muon transformation (hashable, no arrays).
@@ -81,8 +84,30 @@ class MuonOptions:
   def _hash(self) -> int:
     return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
-  def __hash__(self) -> int:  # hashed at every jit dispatch of a state holding it
+  def __hash__(self) -> int:  # part of the spec's memo key
     return self._hash
+
+
+_REPORTED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "optax_muon_reported_options", default=None)
+
+
+@contextlib.contextmanager
+def reporting_options() -> Iterator[list[MuonOptions]]:
+  """Collects the options every Muon transformation's ``init`` reports inside the block."""
+  found: list[MuonOptions] = []
+  token = _REPORTED.set(found)
+  try:
+    yield found
+  finally:
+    _REPORTED.reset(token)
+
+
+def report_options(options: MuonOptions) -> None:
+  """Called by ``init``: hands ``options`` to an active ``reporting_options``."""
+  found = _REPORTED.get()
+  if found is not None:
+    found.append(options)
 
 
 @dataclasses.dataclass(frozen=True)

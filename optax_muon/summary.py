@@ -13,8 +13,7 @@ from optax_muon.plan import Plan
 from optax_muon.qk_clip import ROLES, resolve_projections
 from optax_muon.routing import ADAM, MUON
 from optax_muon.scaling import scale_factor
-from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
-from optax_muon.transform import MuonState
+from optax_muon.spec import MuonOptions, TreeSpec, reporting_options, tree_spec
 
 
 def find_muon_options(tx: Any, params: Any) -> MuonOptions:
@@ -23,29 +22,29 @@ def find_muon_options(tx: Any, params: Any) -> MuonOptions:
   Args:
     tx: an optax transformation that contains one from ``muon`` or ``scale_by_muon``
       (also inside ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
-      ``optax.apply_if_finite``, ...), an ``nnx.Optimizer``, or an optimizer state.
-    params: the params (only shapes and shardings are read: ``tx.init`` is traced with
-      ``jax.eval_shape``).
+      ``optax.apply_if_finite``, ...), or an ``nnx.Optimizer``.
+    params: the params (``tx.init`` is traced with ``jax.eval_shape``: nothing is
+      computed).
 
   Raises:
     ValueError: if ``tx`` holds no Muon transformation, or several different ones.
   """
   tx = getattr(tx, "tx", tx)  # an nnx.Optimizer holds its transformation as .tx
-  init = getattr(tx, "init", None)  # optax.MultiSteps is not a GradientTransformation
-  state = jax.eval_shape(init, params) if callable(init) else tx
-  found = [node.options for node in jax.tree.leaves(state, is_leaf=_is_muon_state)
-           if _is_muon_state(node)]
+  init = getattr(tx, "init", None)
+  if not callable(init):
+    raise ValueError(f"expected an optax transformation or an nnx.Optimizer, got "
+                     f"{type(tx).__name__}.")
+  with reporting_options() as found:
+    # A new function each time: eval_shape caches traces by function, and a cached trace
+    # would not run init (nor report) again.
+    jax.eval_shape(lambda p: init(p), params)  # noqa: PLW0108
   if not found:
     raise ValueError(f"no optax_muon transformation found in {type(tx).__name__}: pass the "
-                     "transformation (or its state) that muon or scale_by_muon is part of.")
+                     "transformation that muon or scale_by_muon is part of.")
   if any(options != found[0] for options in found[1:]):
     raise ValueError(f"{type(tx).__name__} holds {len(found)} different Muon "
                      "transformations; summarize each on its own.")
   return found[0]
-
-
-def _is_muon_state(node: Any) -> bool:
-  return isinstance(node, MuonState)
 
 
 def _plural(count: int, one: str, many: str) -> str:
@@ -173,7 +172,7 @@ def summarize(params: Any, tx: Any, *, print_table: bool = False) -> RoutingSumm
     params: the params (arrays or ``jax.ShapeDtypeStruct``s).
     tx: a transformation that contains ``muon`` or ``scale_by_muon`` (directly or inside
       ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
-      ``optax.apply_if_finite``, ...), an ``nnx.Optimizer``, or an optimizer state.
+      ``optax.apply_if_finite``, ...), or an ``nnx.Optimizer``.
     print_table: also print the table.
 
   Returns:

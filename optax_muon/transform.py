@@ -19,7 +19,7 @@ from optax_muon.options import (MOMENTUM_KINDS, NorMuon, NSOptions, ShardingOpti
                                 check_number, check_option)
 from optax_muon.scaling import SCALE_KINDS, dual_norm_scale, scale_factor
 from optax_muon.sharding import zeros
-from optax_muon.spec import MuonOptions, tree_spec
+from optax_muon.spec import MuonOptions, report_options, tree_spec
 
 
 class MuonState(NamedTuple):
@@ -31,8 +31,7 @@ class MuonState(NamedTuple):
   mu: optax.Updates
   # NorMuon's per-neuron second moments: the params' tree, each leaf's shape with its input
   # axes 1, float32 (float64 for float64 leaves); None without NorMuon.
-  nu: optax.Updates | None
-  options: MuonOptions  # static, no arrays: what summarize and diagnostics read.
+  nu: optax.Updates | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -65,8 +64,8 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
                         ) -> optax.GradientTransformationExtraArgs:
   """Muon's update of every leaf it receives: the four stages, in order.
 
-  ``options.routing`` is not applied here (``muon`` routes with ``optax.partition``); the
-  state keeps ``options`` whole so that ``summarize`` can show the routing.
+  ``options.routing`` is not applied here (``muon`` routes with ``optax.partition``);
+  ``init`` reports ``options`` whole, so that ``summarize`` can show the routing.
   """
   received = dataclasses.replace(options, routing=None)
   ns = functools.partial(newton_schulz, ns_coeffs=hyper.coefficients,
@@ -75,6 +74,7 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
                          gram_restart=options.ns.gram_restart)
 
   def init_fn(params):
+    report_options(options)
     spec = tree_spec(params, received)  # validates every leaf now, not at the first update
     leaves, muon = spec.take(params), spec.muon_leaves
     mu = [zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), leaf.sharding, x)
@@ -85,7 +85,7 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
           init_moment(x.shape, leaf.layout.reduction_axes,
                       moment_dtype(jnp.finfo(x.dtype).dtype), leaf.sharding, x)
           for x, leaf in zip(leaves, muon)])
-    return MuonState(jnp.zeros([], jnp.int32), spec.put(params, mu), nu, options)
+    return MuonState(jnp.zeros([], jnp.int32), spec.put(params, mu), nu)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -110,7 +110,7 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
       factors = [f * n_scale * dual_norm_scale(x, y, leaf.sharding)
                  for f, x, y, leaf in zip(factors, o, n, muon)]
     out = [(f * x).astype(g.dtype) for f, x, g in zip(factors, o, grads)]
-    return spec.put(updates, out), MuonState(count, spec.put(state.mu, mu), nu, state.options)
+    return spec.put(updates, out), MuonState(count, spec.put(state.mu, mu), nu)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

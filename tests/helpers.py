@@ -21,3 +21,32 @@ def rel_err(a, b) -> float:
   wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
   a, b = np.asarray(a, wide), np.asarray(b, wide)
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def numpy_newton_schulz(x, table) -> np.ndarray:
+  """Newton–Schulz in float64 NumPy, written out: the reference for ``newton_schulz``.
+
+  Args:
+    x: one (m, n) matrix.
+    table: an ``NSCoefficients`` (its rows, safety and eps), or a list of (a, b, c) rows
+      (no safety, eps 1e-7).
+  """
+  rows = getattr(table, "rows", table)
+  safety, eps = getattr(table, "safety", 0.0), getattr(table, "eps", 1e-7)
+  x = np.asarray(x, np.float64)
+  transposed = x.shape[0] > x.shape[1]
+  x = x.T if transposed else x
+  x = x / (np.linalg.norm(x) * (1 + safety) + eps)
+  for a, b, c in rows:
+    g = x @ x.T
+    x = a * x + (b * g + c * g @ g) @ x
+  return x.T if transposed else x
+
+
+def random_grads(params, step: int, dtype=None):
+  """Standard-normal gradients shaped like ``params``, a different draw per ``step``."""
+  import jax  # noqa: PLC0415  (helpers stay importable without JAX for NumPy-only tests)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(100 + step), len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, dtype or x.dtype)
+                                      for k, x in zip(keys, leaves)])

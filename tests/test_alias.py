@@ -11,7 +11,7 @@ from flax import nnx
 
 import optax_muon as om
 from gpt import GPT, GPTConfig
-from helpers import rel_err
+from helpers import random_grads, rel_err
 
 DN = om.MuonDimensionNumbers
 
@@ -26,15 +26,11 @@ def _params():
   }
 
 
-def _grads(params, t):
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(50 + t), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in
-                                      zip(keys, leaves)])
+_grads = random_grads
 
 
 def _labels(tx, params):
-  return {r.path: r.label for r in tx.muon_router(params) if r is not None}
+  return {r.path: r.optimizer for r in om.summarize(params, tx).rows}
 
 
 def test_default_routing_of_nnx_gpt():
@@ -62,13 +58,16 @@ def test_default_routing_of_nnx_gpt():
 def test_summary_costs():
   params = {"w": jnp.zeros((64, 256)), "stack": jnp.zeros((3, 256, 64))}
   dims = {"w": None, "stack": DN(1, 2)}
-  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=6, method="standard",
-                        weight_dimension_numbers=dims, scale="jordan")
+  tx = om.muon(0.1, ns_coeffs="polar_express", ns_steps=6,
+               ns_options=om.NSOptions(method="standard"),
+               muon_weight_dimension_numbers={"w": DN(), "stack": DN(1, 2)})
   rows = {r.path: r for r in om.summarize(params, tx).rows}
   assert rows["w"].ns_flops == 6 * (4 * 64 * 64 * 256 + 2 * 64**3)
   # Gram: 2 chunks of 3 steps, each 4·m²·n + 10·m³ + 8·m³.
   gram = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=6, weight_dimension_numbers=dims)
-  assert {r.path: r for r in om.summarize(params, gram).rows}["w"].ns_flops == 2 * (4 * 64 * 64 * 256 + 18 * 64**3)
+  gram_rows = {r.path: r for r in om.summarize(params, gram).rows}
+  assert gram_rows["w"].ns_flops == 2 * (4 * 64 * 64 * 256 + 18 * 64**3)
+  assert gram_rows["w"].scale == 1.0  # scale_by_muon applies no shape factor
   assert rows["stack"].ns_flops == 3 * rows["w"].ns_flops
   assert rows["stack"].ns_matrix == (64, 256) and rows["stack"].scale == 1.0
   assert rows["w"].scale == 2.0
@@ -100,7 +99,7 @@ def test_dimension_numbers_route_like_optax_contrib():
 ])
 def test_user_labels_tree_prefix_and_callable(labels):
   params = _params()
-  tx = om.muon(0.1, labels=labels)
+  tx = om.muon(0.1, routing=om.Routing(labels=labels))
   assert _labels(tx, params) == {"embed/embedding": "muon", "layer/kernel": "adam",
                                  "layer/bias": "adam", "norm/scale": "adam",
                                  "lm_head/kernel": "muon"}
@@ -122,16 +121,19 @@ def test_user_labels_tree_prefix_and_callable(labels):
 ])
 def test_bad_labels(labels, match):
   with pytest.raises(ValueError, match=match):
-    om.muon(0.1, labels=labels).init(_params())
+    om.muon(0.1, routing=om.Routing(labels=labels)).init(_params())
 
 
-def test_adam_branch_is_true_adamw_and_muon_decay_is_decoupled():
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_adam_branch_is_optax_adamw_and_muon_decay_is_decoupled(nesterov):
+  """As optax.contrib.muon: ``nesterov`` is Muon's look-ahead and NAdamW on the rest."""
   params = _params()
   lr, wd, adam_lr, adam_wd = 0.05, 0.1, 0.003, 0.01
   tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
-               adam_b2=0.98, ns_coeffs="polar_express", ns_steps=8)
-  adamw = optax.adamw(adam_lr, b2=0.98, weight_decay=adam_wd)
-  muon_only = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale="jordan")
+               adam_b2=0.98, ns_coeffs="polar_express", ns_steps=8, nesterov=nesterov)
+  adamw = optax.adamw(adam_lr, b2=0.98, weight_decay=adam_wd, nesterov=nesterov)
+  muon_only = optax.chain(om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8,
+                                           nesterov=nesterov), om.scale_by_shape())
   adam_keys = ("embed", "norm", "lm_head")
   s, s_adam = tx.init(params), adamw.init(params)
   s_muon = muon_only.init({"w": params["layer"]["kernel"]})
@@ -151,7 +153,7 @@ def test_adam_branch_is_true_adamw_and_muon_decay_is_decoupled():
 def test_matches_optax_contrib_muon():
   """Same configuration (all 2-D on Muon, NAdamW elsewhere): same updates."""
   params = _params()
-  ours = om.muon(0.02, adam_pattern=None, adam_nesterov=True, scale="jordan")
+  ours = om.muon(0.02, eps=1e-8, routing=om.Routing(adam_pattern=None))
   theirs = optax.contrib.muon(0.02)
   s1, s2 = ours.init(params), theirs.init(params)
   for t in range(3):
@@ -175,8 +177,91 @@ def test_learning_rate_schedule_is_applied():
   np.testing.assert_allclose(norms, [0.1, 0.075, 0.05, 0.025, 0.0], atol=1e-3)
 
 
+def _mlp(key=jax.random.PRNGKey(0), sizes=(16, 64, 64, 4)):
+  """A plain MLP (no embedding or head names): every kernel is a Muon leaf in both."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return {f"dense_{i}": {"kernel": jax.random.normal(k, (a, b)) / np.sqrt(a),
+                         "bias": jnp.zeros(b)}
+          for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
+
+
+def test_defaults_follow_optax_contrib_loss_curve():
+  """Default arguments of both on a plain MLP: the same loss curve over 20 steps (the
+  differences left: the NS ε of the preset and the float32 normalization)."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (256, 16))
+  y = jnp.sin(x[:, :4] * 2.0) + x[:, 4:8] ** 2
+
+  def loss(params):
+    h = x
+    for i in range(3):
+      layer = params[f"dense_{i}"]
+      h = h @ layer["kernel"] + layer["bias"]
+      h = jax.nn.gelu(h) if i < 2 else h
+    return jnp.mean((h - y) ** 2)
+
+  def curve(tx):
+    params, state = _mlp(), tx.init(_mlp())
+
+    @jax.jit
+    def step(params, state):
+      value, grads = jax.value_and_grad(loss)(params)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, value
+
+    out = []
+    for _ in range(20):
+      params, state, value = step(params, state)
+      out.append(float(value))
+    return np.array(out)
+
+  ours, theirs = curve(om.muon(0.02)), curve(optax.contrib.muon(0.02))
+  assert ours[-1] < 0.5 * ours[0]  # it trains
+  assert np.max(np.abs(ours - theirs) / theirs) < 1e-3, (ours, theirs)
+
+
+def _wrapped(kind, tx):
+  if kind == "chain":
+    return optax.chain(optax.clip_by_global_norm(1.0), tx)
+  if kind == "multi_steps":
+    return optax.MultiSteps(tx, 2)
+  if kind == "apply_if_finite":
+    return optax.apply_if_finite(tx, 3)
+  return tx
+
+
+@pytest.mark.parametrize("kind", ["muon", "chain", "inject_hyperparams", "multi_steps",
+                                  "apply_if_finite", "nnx_optimizer"])
+def test_summarize_and_diagnostics_find_muon_inside_wrappers(kind):
+  """Plain optax transformations: the tools find Muon's options by tracing ``init``."""
+  params = _params()
+  options = dict(ns_coeffs="polar_express", ns_steps=8, adam_learning_rate=1e-3,
+                 routing=om.Routing(adam_pattern="lm_head"), normalization=om.NorMuon(0.9))
+  if kind == "inject_hyperparams":
+    tx = optax.inject_hyperparams(om.muon, static_args=("ns_steps",))(0.05, **options)
+  else:
+    tx = _wrapped(kind, om.muon(0.05, **options))
+  expected = om.summarize(params, om.muon(0.05, **options))
+  # The embedding goes to Muon: only lm_head matches this routing's pattern.
+  assert {r.path: r.optimizer for r in expected.rows}["embed/embedding"] == "muon"
+  if kind == "nnx_optimizer":
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    expected = om.summarize(params, om.muon(0.05, **options))
+    holder = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  else:
+    holder = tx
+  summary = om.summarize(params, holder)
+  assert summary.rows == expected.rows and summary.notes == expected.notes
+  assert summary.notes[0].startswith("NorMuon (β₂ = 0.9)")
+  plain = om.muon(0.05, **options)
+  updates = plain.update(random_grads(params, 0), plain.init(params), params)[0]
+  metrics = om.diagnostics(updates, holder, params)
+  assert metrics == om.diagnostics(updates, plain, params)
+  assert set(metrics) == {"update_rms/muon", "update_rms/adam", "orthogonality_error"}
+
+
 def test_summarize_rejects_foreign_transformations():
-  with pytest.raises(ValueError, match="needs a transformation from optax_muon"):
+  with pytest.raises(ValueError, match="no optax_muon transformation found in"):
     om.summarize(_params(), optax.adam(1e-3))
 
 
@@ -206,8 +291,9 @@ def test_cautious_weight_decay_matches_numpy_reference():
   lr, wd, adam_lr, adam_wd = 0.05, 0.3, 0.003, 0.2
   tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
                ns_coeffs="polar_express", ns_steps=8, cautious_weight_decay=True)
-  adam_dir = optax.scale_by_adam()
-  muon_dir = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale="jordan")
+  adam_dir = optax.scale_by_adam(nesterov=True)
+  muon_dir = optax.chain(om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
+                         om.scale_by_shape())
   adam_keys = ("embed", "norm", "lm_head")
   s = tx.init(params)
   s_adam = adam_dir.init({k: params[k] for k in adam_keys})
@@ -249,14 +335,15 @@ def test_cautious_weight_decay_keeps_the_state_structure():
 
 def test_summary_names_normuon_and_cautious_decay():
   params = _params()
-  text = str(om.summarize(params, om.muon(0.02, normalization="neuron",
+  text = str(om.summarize(params, om.muon(0.02, normalization=om.NorMuon(),
                                           cautious_weight_decay=True)))
-  assert text.splitlines()[-2] == ("NorMuon on all Muon leaves (1): updates normalized per "
-                                   "output neuron after NS.")
+  assert text.splitlines()[-2] == ("NorMuon (β₂ = 0.95) on 1 Muon leaf: updates normalized "
+                                   "per output neuron after NS.")
   assert text.splitlines()[-1].startswith("Cautious weight decay: Muon and AdamW leaves")
+  assert "1 leaf on Muon, 4 on AdamW" in text
   plain = om.summarize(params, om.muon(0.02))
   assert plain.notes == () and "NorMuon" not in str(plain)
-  stack = om.summarize({"w": jnp.zeros((2, 8, 8))}, om.scale_by_muon(
-      normalization="neuron", weight_dimension_numbers=DN(1, 2)))
-  assert stack.notes == ("NorMuon on all Muon leaves (1): updates normalized per output "
-                         "neuron after NS.",)
+  stack = om.summarize({"w": jnp.zeros((2, 8, 8)), "v": jnp.zeros((8, 8))}, om.scale_by_muon(
+      normalization=om.NorMuon(0.9), weight_dimension_numbers={"w": DN(1, 2), "v": DN()}))
+  assert stack.notes == ("NorMuon (β₂ = 0.9) on 2 Muon leaves: updates normalized per "
+                         "output neuron after NS.",)

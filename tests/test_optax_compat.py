@@ -7,8 +7,10 @@ import numpy as np
 import optax
 import pytest
 
+import inspect
+
 import optax_muon as om
-from helpers import rel_err
+from helpers import random_grads, rel_err
 
 CDN = optax.contrib.MuonDimensionNumbers
 
@@ -23,11 +25,19 @@ def _params(dtype=jnp.float32):
   }
 
 
-def _grads(params, t):
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(50 + t), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
-                                      for k, x in zip(keys, leaves)])
+_grads = random_grads
+
+
+@pytest.mark.parametrize("ours,theirs,most", [
+    (om.muon, optax.contrib.muon, 28), (om.scale_by_muon, optax.contrib.scale_by_muon, 16)])
+def test_call_surface_starts_with_optax_contribs_arguments(ours, theirs, most):
+  """optax.contrib's arguments, in its order and kinds, then this package's few options."""
+  mine = list(inspect.signature(ours).parameters.values())
+  optax_args = list(inspect.signature(theirs).parameters.values())
+  assert [(p.name, p.kind) for p in mine[:len(optax_args)]] == [
+      (p.name, p.kind) for p in optax_args]
+  assert len(mine) <= most
+  assert all(p.kind == p.KEYWORD_ONLY for p in mine[len(optax_args):])
 
 
 def _dims(params):
@@ -57,7 +67,7 @@ def test_muon_equals_optax_contrib(preconditioning, adaptive, consistent_rms):
                 preconditioning=preconditioning, adam_b1=0.8, adam_b2=0.99,
                 adam_learning_rate=3e-3, muon_weight_dimension_numbers=_dims,
                 consistent_rms=consistent_rms)
-  ours = om.muon(0.02, **kwargs, adam_nesterov=True)
+  ours = om.muon(0.02, **kwargs)
   theirs = optax.contrib.muon(0.02, **kwargs)
   _assert_same_updates(ours, theirs, _params())
 
@@ -67,7 +77,7 @@ def test_optax_presets_and_positional_order(preset):
   """optax's positional order: learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay."""
   args = (0.02, preset, 5, 0.95, 1e-8, 0.1)
   params = {"w": _params()["wide"], "b": jnp.zeros(48)}
-  _assert_same_updates(om.muon(*args, adam_pattern=None, adam_nesterov=True),
+  _assert_same_updates(om.muon(*args, routing=om.Routing(adam_pattern=None)),
                        optax.contrib.muon(*args), params)
 
 
@@ -133,7 +143,7 @@ def test_complex_updates_equal_optax_contrib():
   complex_grads = lambda p, t: jax.tree.map(
       lambda g: (g + 1j * jnp.roll(g, 1)).astype(jnp.complex64),
       _grads(jax.tree.map(lambda x: x.real, p), t))
-  ours, theirs = om.muon(0.05, eps=1e-8, adam_nesterov=True), optax.contrib.muon(0.05)
+  ours, theirs = om.muon(0.05, eps=1e-8), optax.contrib.muon(0.05)
   s1, s2 = ours.init(params), theirs.init(params)
   for t in range(3):
     g = complex_grads(params, t)
@@ -174,11 +184,15 @@ def test_16_bit_params_give_finite_updates(dtype, magnitude):
 
 
 def test_zero_size_matrix_gives_zero_size_update():
-  params = {"empty": jnp.zeros((0, 5)), "w": jnp.ones((4, 6))}
-  for tx in (om.muon(0.1), om.scale_by_muon()):
+  """An empty leaf is passed through; the others get the update they get without it."""
+  params = {"empty": jnp.zeros((0, 5)), "w": jax.random.normal(jax.random.PRNGKey(0), (4, 6))}
+  alone = {"w": params["w"]}
+  for make in (lambda: om.muon(0.1), om.scale_by_muon):
+    tx = make()
     updates, _ = tx.update(params, tx.init(params), params)
+    expected, _ = tx.update(alone, tx.init(alone), alone)
     assert updates["empty"].shape == (0, 5)
-    assert bool(jnp.all(jnp.isfinite(updates["w"]))) and float(jnp.abs(updates["w"]).max()) > 0
+    np.testing.assert_array_equal(updates["w"], expected["w"])
 
 
 @pytest.mark.parametrize("momentum,nesterov", [("ema", True), ("ema", False), ("sum", True)])

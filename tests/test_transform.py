@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import optax_muon as om
-from helpers import rel_err, singular_values
+from helpers import numpy_newton_schulz, random_grads, rel_err, singular_values
 
 DN = om.MuonDimensionNumbers
 
@@ -26,20 +26,12 @@ def _tree(seed=0, dtype=jnp.float32):
 DIMS = {"attn": {"q": DN(), "o": DN()}, "mlp": {"up": DN(), "down": DN()}, "stack": DN(1, 2)}
 
 
-def _grads(params, step):
-  key = jax.random.PRNGKey(100 + step)
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
-                                      for k, x in zip(keys, leaves)])
-
-
 def _run(tx, params, steps=4):
   state = tx.init(params)
   update = jax.jit(tx.update)
   out = []
   for t in range(steps):
-    u, state = update(_grads(params, t), state, params)
+    u, state = update(random_grads(params, t), state, params)
     out.append(u)
   return out, state
 
@@ -49,7 +41,7 @@ def test_matches_optax_contrib_scale_by_muon():
   params = _tree()
   contrib_dims = jax.tree.map(lambda d: optax.contrib.MuonDimensionNumbers(*d), DIMS,
                               is_leaf=lambda x: isinstance(x, DN))
-  ours, _ = _run(om.scale_by_muon(scale=None, weight_dimension_numbers=DIMS), params)
+  ours, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS), params)
   theirs, _ = _run(optax.contrib.scale_by_muon(weight_dimension_numbers=contrib_dims), params)
   for u_ours, u_theirs in zip(ours, theirs):
     for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs)):
@@ -66,34 +58,24 @@ def test_contrib_dimension_numbers_are_accepted():
   assert all(chex_equal)
 
 
-def _numpy_ns(x, rows, safety, eps):
-  t = x.shape[0] > x.shape[1]
-  x = x.T if t else x
-  x = x / (np.linalg.norm(x) * (1 + safety) + eps)
-  for a, b, c in rows:
-    g = x @ x.T
-    x = a * x + (b * g + c * g @ g) @ x
-  return x.T if t else x
-
-
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_sum_momentum_matches_numpy_reference(nesterov):
   """M ← μM + G; N = μM + G (Nesterov) or M; O = NS(N); update = sqrt(max(1, out/in))·O."""
   params = {"w": jnp.zeros((24, 40)), "v": jnp.zeros((40, 24))}
   beta = 0.9
   table = om.resolve_coefficients("polar_express", 6)
-  tx = om.scale_by_muon(beta=beta, momentum="sum", nesterov=nesterov, ns_coeffs="polar_express",
-                        ns_steps=6, scale="jordan")
+  tx = optax.chain(om.scale_by_muon(beta=beta, momentum="sum", nesterov=nesterov,
+                                   ns_coeffs="polar_express", ns_steps=6),
+                   om.scale_by_shape())
   ours, _ = _run(tx, params, steps=4)
   mom = {k: np.zeros(v.shape) for k, v in params.items()}
   for t in range(4):
-    g = {k: np.asarray(v, np.float64) for k, v in _grads(params, t).items()}
+    g = {k: np.asarray(v, np.float64) for k, v in random_grads(params, t).items()}
     for k in params:
       mom[k] = beta * mom[k] + g[k]
       n = beta * mom[k] + g[k] if nesterov else mom[k]
       n_in, n_out = params[k].shape
-      expected = np.sqrt(max(1, n_out / n_in)) * _numpy_ns(n, table.rows, table.safety,
-                                                           table.eps)
+      expected = np.sqrt(max(1, n_out / n_in)) * numpy_newton_schulz(n, table)
       assert rel_err(ours[t][k], expected) < 1e-4, (t, k)
 
 
@@ -101,15 +83,31 @@ def test_ema_without_bias_correction_is_keller_jordan():
   """KellerJordan/Muon: m.lerp_(g, 1-β); update = g.lerp(m, β), no bias correction."""
   params = {"w": jnp.zeros((16, 16))}
   beta = 0.95
-  tx = om.scale_by_muon(beta=beta, bias_correction=False, ns_coeffs="polar_express", ns_steps=8)
+  tx = om.scale_by_muon(beta=beta, momentum="ema_uncorrected", ns_coeffs="polar_express",
+                        ns_steps=8)
   ours, _ = _run(tx, params, steps=3)
   table = om.resolve_coefficients("polar_express", 8)
   m = np.zeros((16, 16))
   for t in range(3):
-    g = np.asarray(_grads(params, t)["w"], np.float64)
+    g = np.asarray(random_grads(params, t)["w"], np.float64)
     m = m + (1 - beta) * (g - m)
     n = g + beta * (m - g)
-    assert rel_err(ours[t]["w"], _numpy_ns(n, table.rows, table.safety, table.eps)) < 1e-4
+    assert rel_err(ours[t]["w"], numpy_newton_schulz(n, table)) < 1e-4
+
+
+def test_bias_corrected_ema_differs_from_the_uncorrected_one_only_in_the_mix():
+  """With Nesterov, optax.contrib's bias correction weighs g more at early steps:
+  n ∝ β/(1−β^(t+1))·m + (1−β)/(1−β^t)·g; without Nesterov n = m in both."""
+  params = {"w": jnp.zeros((16, 24))}
+  table = om.resolve_coefficients("polar_express", 8)
+  beta = 0.9
+  ours, _ = _run(om.scale_by_muon(beta=beta, ns_coeffs="polar_express", ns_steps=8), params, 2)
+  m = np.zeros((16, 24))
+  for t in range(1, 3):
+    g = np.asarray(random_grads(params, t - 1)["w"], np.float64)
+    m = beta * m + (1 - beta) * g
+    n = beta / (1 - beta**(t + 1)) * m + (1 - beta) / (1 - beta**t) * g
+    assert rel_err(ours[t - 1]["w"], numpy_newton_schulz(n, table)) < 1e-4
 
 
 @pytest.mark.parametrize("kind,consistent_rms,expected", [
@@ -121,8 +119,8 @@ def test_ema_without_bias_correction_is_keller_jordan():
 ])
 def test_update_scale(kind, consistent_rms, expected):
   params = {"wide": jnp.zeros((16, 64)), "tall": jnp.zeros((64, 16))}
-  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale=kind,
-                        consistent_rms=consistent_rms)
+  tx = optax.chain(om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
+                   om.scale_by_shape(consistent_rms=consistent_rms, scale=kind))
   (u,), _ = _run(tx, params, steps=1)
   for k, (i, o) in {"wide": (16, 64), "tall": (64, 16)}.items():
     sv = singular_values(u[k])
@@ -131,10 +129,11 @@ def test_update_scale(kind, consistent_rms, expected):
     assert np.allclose([float(jnp.sqrt(jnp.mean(v**2))) for v in u.values()], 0.3, rtol=2e-3)
 
 
-def test_bucketing_does_not_change_results():
+def test_stacking_same_shapes_does_not_change_results():
   params = _tree()
-  a, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS, bucket=True), params, 2)
-  b, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS, bucket=False), params, 2)
+  stacked, single = om.NSOptions(stack_same_shape=True), om.NSOptions(stack_same_shape=False)
+  a, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS, ns_options=stacked), params, 2)
+  b, _ = _run(om.scale_by_muon(weight_dimension_numbers=DIMS, ns_options=single), params, 2)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     assert rel_err(x, y) < 1e-5  # f32 reassociation in batched matmuls
 
@@ -145,7 +144,7 @@ def test_conv_and_per_head_dimension_numbers():
   conv = rng.standard_normal((3, 3, 8, 16)).astype(np.float32)
   heads = rng.standard_normal((32, 4, 8)).astype(np.float32)
   dims = {"conv": DN((0, 1, 2), 3), "heads": DN(0, 2)}
-  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, scale=None, weight_dimension_numbers=dims)
+  tx = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, weight_dimension_numbers=dims)
   state = tx.init({"conv": conv, "heads": heads})
   u, _ = tx.update({"conv": conv, "heads": heads}, state)
   conv_matrix = np.asarray(u["conv"]).reshape(72, 16)
@@ -187,15 +186,6 @@ def test_zero_gradients_are_finite(dtype):
   assert u["w"].dtype == dtype and np.all(np.asarray(u["w"], np.float32) == 0)
 
 
-def test_contrib_gives_nan_for_fp16_zeros():
-  """Why the float32 norm matters: the anchor divides 0 by 0 in fp16."""
-  params = {"w": jnp.zeros((8, 16), jnp.float16)}
-  tx = optax.contrib.scale_by_muon(
-      weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers()})
-  u, _ = tx.update(params, tx.init(params))
-  assert np.isnan(np.asarray(u["w"], np.float32)).any()
-
-
 @pytest.mark.parametrize("params,dims,match", [
     ({"b": jnp.zeros(8)}, None, r"b: Muon needs a matrix; got a 1-D leaf"),
     ({"s": jnp.zeros(())}, None, r"s: Muon needs a matrix; got a 0-D leaf"),
@@ -215,13 +205,27 @@ def test_bad_leaves(params, dims, match):
     tx.init(params)
 
 
-def test_bad_options():
-  with pytest.raises(ValueError, match="momentum must be one of"):
-    om.scale_by_muon(momentum="adam")
-  with pytest.raises(ValueError, match="scale must be one of"):
-    om.scale_by_muon(scale="shape")
-  with pytest.raises(ValueError, match="Unknown Newton–Schulz preset"):
-    om.scale_by_muon(ns_coeffs="jordan5")
+@pytest.mark.parametrize("make,match", [
+    (lambda: om.scale_by_muon(momentum="adam"), "momentum must be one of"),
+    (lambda: om.scale_by_shape(scale="shape"), "scale must be one of"),
+    (lambda: om.muon(0.1, scale="shape"), "scale must be one of"),
+    (lambda: om.scale_by_muon(ns_coeffs="jordan5"), "Unknown Newton–Schulz preset"),
+    (lambda: om.scale_by_muon(preconditioning="qr"), "preconditioning must be one of"),
+    (lambda: om.scale_by_muon(ns_options={"method": "gram"}),
+     r"ns_options must be an optax_muon.NSOptions or None, got dict"),
+    (lambda: om.scale_by_muon(normalization="neuron"),
+     r"normalization must be an optax_muon.NorMuon or None, got str"),
+    (lambda: om.NSOptions(method="qr"), r"NSOptions.method must be one of"),
+    (lambda: om.NSOptions(gram_restart=0), r"NSOptions.gram_restart must be a positive"),
+    (lambda: om.ShardingOptions(exchange="bucket"), r"ShardingOptions.exchange must be one"),
+    (lambda: om.ShardingOptions(replica_policy="all"),
+     r"ShardingOptions.replica_policy must be one"),
+    (lambda: om.NorMuon(beta=1.0), r"NorMuon.beta must lie in \[0.0, 1.0\)"),
+    (lambda: om.Routing(adam_pattern=3), r"Routing.adam_pattern must be"),
+])
+def test_bad_options(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
 
 
 def _numpy_normuon(o, v, beta):
@@ -238,10 +242,11 @@ def test_normuon_matches_numpy_reference():
   dims = {"w": None, "v": None, "stack": DN(1, 2), "flipped": DN(2, 1)}
   beta, beta2, steps = 0.9, 0.8, 4
   table = om.resolve_coefficients("polar_express", 6)
-  tx = om.scale_by_muon(beta=beta, momentum="sum", ns_coeffs="polar_express", ns_steps=6,
-                        scale="jordan", weight_dimension_numbers=dims,
-                        normalization="neuron", normalization_beta=beta2)
-  ours, state = _run(tx, params, steps=steps)
+  tx = optax.chain(
+      om.scale_by_muon(beta=beta, momentum="sum", ns_coeffs="polar_express", ns_steps=6,
+                       weight_dimension_numbers=dims, normalization=om.NorMuon(beta2)),
+      om.scale_by_shape(dims))
+  ours, (state, _) = _run(tx, params, steps=steps)
   # Every leaf as (batch, n_in, n_out) matrices, and back.
   to_mats = {"w": lambda x: x[None], "v": lambda x: x[None], "stack": lambda x: x,
              "flipped": lambda x: np.swapaxes(x, 1, 2)}
@@ -249,14 +254,13 @@ def test_normuon_matches_numpy_reference():
   nu = {k: np.zeros((to_mats[k](np.zeros(v.shape)).shape[0],
                      to_mats[k](np.zeros(v.shape)).shape[2])) for k, v in params.items()}
   for t in range(steps):
-    g = {k: np.asarray(v, np.float64) for k, v in _grads(params, t).items()}
+    g = {k: np.asarray(v, np.float64) for k, v in random_grads(params, t).items()}
     for k in params:
       mom[k] = beta * mom[k] + g[k]
       mats = to_mats[k](beta * mom[k] + g[k])
       expected = []
       for b, n in enumerate(mats):
-        o_hat, nu[k][b] = _numpy_normuon(_numpy_ns(n, table.rows, table.safety, table.eps),
-                                         nu[k][b], beta2)
+        o_hat, nu[k][b] = _numpy_normuon(numpy_newton_schulz(n, table), nu[k][b], beta2)
         expected.append(np.sqrt(max(1, n.shape[1] / n.shape[0])) * o_hat)
       got = to_mats[k](np.asarray(ours[t][k]))
       assert rel_err(got, np.stack(expected)) < 1e-4, (t, k)
@@ -271,7 +275,7 @@ def test_normuon_matches_numpy_reference():
 def test_normuon_keeps_the_frobenius_norm_and_equalizes_neurons():
   params = {"w": jnp.zeros((64, 32))}
   plain = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8)
-  normed = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, normalization="neuron")
+  normed = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8, normalization=om.NorMuon())
   g = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 32)) *
             jnp.linspace(0.1, 10.0, 32)}  # neurons of very different scale
   u_plain, _ = plain.update(g, plain.init(params))
@@ -286,15 +290,9 @@ def test_normuon_keeps_the_frobenius_norm_and_equalizes_neurons():
 def test_normuon_state_is_none_when_off_and_float32_for_16_bit_leaves():
   params = {"w": jnp.zeros((8, 16), jnp.bfloat16)}
   assert om.scale_by_muon().init(params).nu is None
-  state = om.scale_by_muon(normalization="neuron").init(params)
+  state = om.scale_by_muon(normalization=om.NorMuon()).init(params)
   assert state.nu["w"].dtype == jnp.float32
-  u, state = om.scale_by_muon(normalization="neuron").update(
+  u, state = om.scale_by_muon(normalization=om.NorMuon()).update(
       {"w": jnp.zeros((8, 16), jnp.bfloat16)}, state)
   assert u["w"].dtype == jnp.bfloat16 and np.all(np.asarray(u["w"], np.float32) == 0)
 
-
-def test_normuon_bad_options():
-  with pytest.raises(ValueError, match="normalization must be one of"):
-    om.scale_by_muon(normalization="row")
-  with pytest.raises(ValueError, match=r"normalization_beta must lie in \[0.0, 1.0\)"):
-    om.scale_by_muon(normalization="neuron", normalization_beta=1.0)
