@@ -178,7 +178,7 @@ def _benchmarked_muon(dims, shardings):
                          param_shardings=shardings)
 
 
-def _lpt_plan(plan):
+def lpt_plan(plan):
   """The same matrices placed by FLOPs alone (plain longest processing time first)."""
   layouts, shardings = [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves]
   if hasattr(plan, "ns"):  # a --baseline checkout from before the option objects
@@ -225,7 +225,7 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
     row = {"tree": name, "mesh": mesh_name, "N": n}
     if hasattr(plan, "switches"):  # the balanced plan: devices may run different branches
       row["flops"] = float(compiled_device_flops(cost, plan).max())
-      row["lpt"] = float(_lpt_plan(plan).critical_ns_flops())
+      row["lpt"] = float(lpt_plan(plan).critical_ns_flops())
       row["ragged"] = float(plan.device_received_bytes(ragged=True).max())
       row["branches"] = sum(len(ex.programs) for g in plan.groups for ex in g.exchanges)
     else:  # the uniform plan: every device runs the same program

@@ -178,16 +178,25 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
   return curves
 
 
-def plot(results: dict, path: pathlib.Path) -> None:
-  """Smoothed training loss and validation loss of each run."""
-  lines = []
-  for name, c in results.items():
-    smooth = np.convolve(c["train_loss"], np.ones(10) / 10, mode="valid")
-    lines.append((c["step"][len(c["step"]) - len(smooth):], smooth, f"{name} train",
-                  {"alpha": 0.5}))
+def plot(results: dict, path: pathlib.Path):
+  """Each run's training loss (10-step moving average) and validation loss, in one colour
+  per run; the y-axis spans the losses after the first tenth of training, where the runs
+  differ. Returns the figure."""
+  lines, tail = [], []
+  for k, (name, c) in enumerate(results.items()):
+    color, window = f"C{k}", min(10, len(c["train_loss"]))
+    smooth = np.convolve(c["train_loss"], np.ones(window) / window, mode="valid")
+    steps = c["step"][len(c["step"]) - len(smooth):]
+    lines.append((steps, smooth, f"{name} train ({window}-step moving average)",
+                  {"alpha": 0.5, "color": color}))
     lines.append((c["val_step"], c["val_loss"], f"{name} validation",
-                  {"marker": "o", "ms": 3}))
-  save_loss_plot(path, lines, "next-byte loss (nats)")
+                  {"marker": "o", "ms": 3, "color": color}))
+    start = c["step"][-1] / 10
+    tail += [y for x, y in zip(steps, smooth) if x >= start]
+    tail += [y for x, y in zip(c["val_step"], c["val_loss"]) if x >= start]
+  margin = 0.05 * (max(tail) - min(tail)) or 0.05
+  return save_loss_plot(path, lines, "next-byte loss (nats)",
+                        ylim=(min(tail) - margin, max(tail) + margin))
 
 
 def plot_max_logit(results: dict, threshold: float, path: pathlib.Path) -> None:

@@ -88,10 +88,21 @@ def is_explicit_sharding(sharding: Any) -> bool:
 
 
 def typed_sharding(x: Any) -> Any:
-  """The sharding a leaf carries itself: its type's (arrays, tracers) or a struct's own."""
-  if isinstance(x, jax.ShapeDtypeStruct):
+  """The sharding a leaf carries itself: a concrete array's or a struct's own, a traced
+  leaf's type's."""
+  if isinstance(x, jax.ShapeDtypeStruct) or (isinstance(x, jax.Array)
+                                             and not isinstance(x, jax.core.Tracer)):
     return x.sharding
   return getattr(jax.typeof(x), "sharding", None)
+
+
+def placement_of(x: Any, known: LeafSharding | None) -> LeafSharding | None:
+  """Where state made for leaf ``x`` should live: ``known`` (the spec's), else where a
+  concrete array or struct already lies (also on an Auto mesh without param_shardings)."""
+  if known is not None:
+    return known
+  own = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+  return LeafSharding.of(own, x.ndim) if isinstance(own, NamedSharding) else None
 
 
 def inside_shard_map() -> bool:
@@ -203,13 +214,13 @@ def zeros(shape: tuple[int, ...], dtype: Any, sharding: LeafSharding | None, lik
   if sharding is None or inside_shard_map():
     return jnp.zeros(shape, dtype)
   target = sharding.named
+  if not isinstance(like, jax.core.Tracer):
+    if isinstance(target.mesh, jax.sharding.Mesh):
+      return jnp.zeros(shape, dtype, device=target)
+    return jnp.zeros(shape, dtype)
   if all(t == AxisType.Explicit for t in target.mesh.axis_types):
     return jnp.zeros(shape, dtype, out_sharding=target)
-  if isinstance(like, jax.core.Tracer):
-    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), target)
-  if isinstance(target.mesh, jax.sharding.Mesh):
-    return jnp.zeros(shape, dtype, device=target)
-  return jnp.zeros(shape, dtype)
+  return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), target)
 
 
 def place_like_params(state: Any, params: Any, shardings: list[LeafSharding | None],

@@ -18,7 +18,7 @@ from optax_muon.normuon import init_moment, normalize_neurons
 from optax_muon.options import (MOMENTUM_KINDS, NorMuon, NSOptions, ShardingOptions,
                                 check_number, check_option)
 from optax_muon.scaling import SCALE_KINDS, dual_norm_scale, scale_factor
-from optax_muon.sharding import zeros
+from optax_muon.sharding import placement_of, zeros
 from optax_muon.spec import MuonOptions, report_options, tree_spec
 
 
@@ -77,14 +77,15 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
     report_options(options)
     spec = tree_spec(params, received)  # validates every leaf now, not at the first update
     leaves, muon = spec.take(params), spec.muon_leaves
-    mu = [zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), leaf.sharding, x)
-          for x, leaf in zip(leaves, muon)]
+    placements = [placement_of(x, leaf.sharding) for x, leaf in zip(leaves, muon)]
+    mu = [zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), where, x)
+          for x, where in zip(leaves, placements)]
     nu = None
     if options.normalization is not None:
       nu = spec.put(params, [
           init_moment(x.shape, leaf.layout.reduction_axes,
-                      moment_dtype(jnp.finfo(x.dtype).dtype), leaf.sharding, x)
-          for x, leaf in zip(leaves, muon)])
+                      moment_dtype(jnp.finfo(x.dtype).dtype), where, x)
+          for x, leaf, where in zip(leaves, muon, placements)])
     return MuonState(jnp.zeros([], jnp.int32), spec.put(params, mu), nu)
 
   def update_fn(updates, state, params=None, **extra_args):

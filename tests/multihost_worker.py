@@ -31,7 +31,7 @@ def main(port: str, process_id: int) -> None:
            for _ in range(2)]
 
   # Single-process reference on this process's first device.
-  tx_ref = optax_muon.muon(0.1, method="standard")
+  tx_ref = optax_muon.muon(0.1, ns_options=optax_muon.NSOptions(method="standard"))
   state = tx_ref.init(params)
   for g in grads:
     reference, state = jax.jit(tx_ref.update)(g, state, params)
@@ -42,7 +42,7 @@ def main(port: str, process_id: int) -> None:
   put = lambda tree: jax.tree.map(
       lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
       shardings)
-  tx = optax_muon.muon(0.1, method="standard")
+  tx = optax_muon.muon(0.1, ns_options=optax_muon.NSOptions(method="standard"))
   sharded_params = put(params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded_params)

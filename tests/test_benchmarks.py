@@ -4,6 +4,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import orthogonality  # noqa: E402
@@ -15,8 +17,17 @@ def test_single_device_quick(capsys):
   names = {r["optimizer"] for r in update_rows}
   assert {"optax.contrib.muon", "optax.adamw", "optax_muon (method=auto)",
           "optax_muon (method=standard)"} <= names
-  assert all(r["ms"] > 0 for r in update_rows)
-  assert {r["method"] for r in ns_rows} == {"standard", "auto"}
+  for r in update_rows:  # each update's time over optax.contrib.muon's, timed alongside
+    if r["optimizer"] == "optax_muon (method=standard)":
+      continue  # timed in a second round, against that round's optax.contrib.muon
+    base = next(b["ms"] for b in update_rows
+                if b["tree"] == r["tree"] and b["optimizer"] == "optax.contrib.muon")
+    assert r["vs_contrib"] == pytest.approx(r["ms"] / base)
+  # NS throughput of the d=64, 2-layer stacked tree: one row per canonical shape and method
+  # (q, k, v, o: 4·2 of 64×64; mlp in and out: 2·2 of 64×256, the same shape once turned).
+  assert sorted((r["shape"], r["method"]) for r in ns_rows) == sorted(
+      (shape, method) for shape in ("8 × 64×64", "4 × 64×256")
+      for method in ("standard", "auto"))
   assert "vs_contrib" in capsys.readouterr().out
 
 
@@ -48,12 +59,11 @@ def test_convergence_quick(tmp_path):
   assert summary["table"][0]["steps to AdamW's final"] == 1.0  # AdamW reaches its own final
   assert {"optax_muon NorMuon", "optax_muon cautious weight decay 0.1",
           "optax_muon weight decay 0.1", "optax_muon NorMuon + cautious weight decay 0.1",
-          "optax_muon NAdamW on AdamW leaves", "optax_muon polar_express",
-          "optax_muon NAdamW + polar_express"} <= set(labels)
+          "optax_muon polar_express"} <= set(labels)
   runs = summary["runs"]
   assert "'cautious_weight_decay': True" in runs[
       "optax_muon cautious weight decay 0.1 seed=0"]["variant"]
-  assert "'normalization': 'neuron'" in runs["optax_muon NorMuon lr=0.02 seed=0"]["variant"]
+  assert "NorMuon(beta=0.95)" in runs["optax_muon NorMuon lr=0.02 seed=0"]["variant"]
   # Each finished run is saved at once; --resume reuses them instead of training again.
   again = convergence.main(["--quick", "--out", str(tmp_path), "--resume"])
   assert json.dumps(again["table"]) == json.dumps(summary["table"])  # NaN-safe

@@ -12,7 +12,7 @@ import optax_muon as om
 from trees import gpt_tree, random_like
 
 
-@pytest.mark.parametrize("variants", [{}, {"normalization": "neuron",
+@pytest.mark.parametrize("variants", [{}, {"normalization": om.NorMuon(),
                                           "cautious_weight_decay": True}])
 def test_restore_continues_bit_identically(tmp_path, variants):
   mesh = jax.make_mesh((8,), ("fsdp",))

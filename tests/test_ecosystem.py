@@ -106,7 +106,7 @@ def test_linen_train_state(data):
   model = LinenLM()
   params = model.init(jax.random.PRNGKey(0), data[0][:, :-1])["params"]
   tx = om.muon(0.02, adam_learning_rate=3e-3)
-  labels = {r.path: r.label for r in tx.muon_router(params)}
+  labels = {r.path: r.optimizer for r in om.summarize(params, tx).rows}
   assert labels["up/kernel"] == "muon" and labels["embed/embedding"] == "adam"
   assert labels["lm_head/kernel"] == "adam" and labels["up/bias"] == "adam"
   state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)

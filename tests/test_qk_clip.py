@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optax_muon as om
 from helpers import rel_err
-from optax_muon import hlo_cost
+import hlo_cost
 
 H = om.QKClipHeads
 D, DH = 16, 4
@@ -134,7 +134,7 @@ def test_muon_option_is_muon_then_qk_clip():
   params, heads, maxima = _gpt_like()
   grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
   plain = om.muon(0.05)
-  clipped = om.muon(0.05, qk_clip_threshold=10.0, qk_clip_heads=heads)
+  clipped = om.muon(0.05, qk_clip=om.QKClip(10.0, heads))
   s_plain, s_clip = plain.init(params), clipped.init(params)
   assert jax.tree.structure(s_plain) == jax.tree.structure(s_clip)
   clip = om.qk_clip(10.0, heads=heads)
@@ -166,7 +166,7 @@ def test_muon_option_is_muon_then_qk_clip():
 ])
 def test_bad_maxima_name_the_leaf(maxima, match):
   params, heads, _ = _gpt_like()
-  tx = om.muon(0.05, qk_clip_threshold=10.0, qk_clip_heads=heads)
+  tx = om.muon(0.05, qk_clip=om.QKClip(10.0, heads))
   with pytest.raises(ValueError, match=match):
     tx.update(params, tx.init(params), params, attn_logit_max=maxima)
 
@@ -189,12 +189,14 @@ def test_bad_heads_name_the_leaf(heads, match):
 def test_bad_options():
   with pytest.raises(ValueError, match="threshold must lie in"):
     om.qk_clip(0.0, heads=H("query"))
-  with pytest.raises(ValueError, match=r"alpha must lie in \[0, 1\]"):
+  with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):
     om.qk_clip(alpha=1.5, heads=H("query"))
-  with pytest.raises(ValueError, match="qk_clip_threshold and qk_clip_heads go together"):
-    om.muon(0.02, qk_clip_threshold=100.0)
-  with pytest.raises(ValueError, match="qk_clip_threshold and qk_clip_heads go together"):
-    om.muon(0.02, qk_clip_heads=H("query"))
+  with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):
+    om.QKClip(100.0, H("query"), alpha=-0.5)
+  with pytest.raises(ValueError, match="QKClip.heads is required"):
+    om.QKClip(100.0, None)
+  with pytest.raises(ValueError, match="qk_clip must be an optax_muon.QKClip or None"):
+    om.muon(0.02, qk_clip=100.0)
   tx = om.qk_clip(heads=H("query"))
   with pytest.raises(ValueError, match="pass params to update"):
     tx.update({"q": jnp.ones((4, 4))}, optax.EmptyState(), attn_logit_max=jnp.ones(4))
@@ -205,7 +207,8 @@ def test_sharded_equals_single_device_without_collectives(axis_type):
   """q sharded on its input axis (FSDP), k on its head axis (tensor parallel)."""
   params, heads, maxima = _gpt_like()
   grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
-  tx = om.muon(0.05, qk_clip_threshold=10.0, qk_clip_heads=heads, method="standard")
+  standard = om.NSOptions(method="standard")
+  tx = om.muon(0.05, qk_clip=om.QKClip(10.0, heads), ns_options=standard)
   reference, _ = jax.jit(tx.update)(grads, tx.init(params), params, attn_logit_max=maxima)
 
   mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
@@ -216,7 +219,7 @@ def test_sharded_equals_single_device_without_collectives(axis_type):
                            jax.tree_util.tree_map_with_path(spec, params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   explicit = axis_type == AxisType.Explicit
-  sharded_tx = om.muon(0.05, qk_clip_threshold=10.0, qk_clip_heads=heads, method="standard",
+  sharded_tx = om.muon(0.05, qk_clip=om.QKClip(10.0, heads), ns_options=standard,
                        param_shardings=None if explicit else shardings)
   clip = om.qk_clip(10.0, heads=heads)
   with jax.set_mesh(mesh):
