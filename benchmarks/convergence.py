@@ -24,6 +24,8 @@ AdamW's steps, and the time per step. Each finished run is saved to
 
   python benchmarks/convergence.py            # the full run (about an hour on 2 cores)
   python benchmarks/convergence.py --quick    # CI: tiny model, a few steps
+  python benchmarks/convergence.py --rows "optax_muon lr=,optax_muon weight decay"
+                                              # AdamW, the defaults and the recommended
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ def main(argv=None) -> dict:
                       help="sweep the baselines' learning rates instead of using BEST_LRS")
   parser.add_argument("--resume", action="store_true",
                       help="reuse the runs saved in OUT/convergence_runs.json")
+  parser.add_argument("--rows", default="",
+                      help="comma-separated name prefixes of the runs to train (e.g. "
+                      "'optax_muon lr=,optax_muon weight decay'); AdamW, the target, always "
+                      "runs; other rows are left out of the table")
   parser.add_argument("--report", action="store_true",
                       help="train nothing: the table of the saved runs (rows without runs "
                       "left out)")
@@ -152,7 +158,11 @@ def main(argv=None) -> dict:
     saved = previous["runs"] if previous["budget"] == budget_key else {}
   results: dict[str, dict] = {}
 
+  only = tuple(prefix for prefix in args.rows.split(",") if prefix)
+
   def go(name, kind, lr, adam_lr, seed=0, **variant):
+    if only and kind != "adamw" and not name.startswith(only):
+      return None
     key, described = f"{name} seed={seed}", dict(kind=kind, lr=lr, adam_lr=adam_lr, seed=seed,
                                                  variant=str(variant or ""))
     if key in results:

@@ -6,14 +6,22 @@ matmul of the same shapes, measured in the same run.
 
   python benchmarks/single_device.py            # d=256 and d=512, 6 layers, 9 repeats
   python benchmarks/single_device.py --quick    # CI: tiny trees, 3 repeats
+  python benchmarks/single_device.py --baseline REV   # also optax_muon as of git REV
+
+``--baseline REV`` extracts the package as it was at REV (``git archive``), imports it under
+another name, and times its update in the same alternation (this checkout's
+``--baseline`` rows use the default method).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -43,22 +51,51 @@ def alternate(fns: dict, args: dict, repeats: int) -> dict[str, float]:
   return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def optimizers(params, stacked: bool, method: str) -> dict:
+def _muon(package, params, stacked: bool, method: str):
+  """``package.muon`` with every matrix (2-D or stacked) on Muon and NAdamW elsewhere; also
+  the flat keywords of the code before the option objects (a ``--baseline`` checkout)."""
+  dims = muon_dims(params) if stacked else None
+  if hasattr(package, "NSOptions"):
+    return package.muon(0.02, routing=package.Routing(adam_pattern=None),
+                        ns_options=package.NSOptions(method=method),
+                        muon_weight_dimension_numbers=dims)
+  return package.muon(0.02, adam_pattern=None, method=method, adam_nesterov=True,
+                      muon_weight_dimension_numbers=dims)
+
+
+def import_baseline(rev: str, directory: str):
+  """optax_muon as of git revision ``rev``, imported as ``optax_muon_<rev>``."""
+  name = f"optax_muon_{rev}"
+  root = pathlib.Path(__file__).resolve().parents[1]
+  archive = subprocess.run(["git", "-C", str(root), "archive", rev, "optax_muon"], check=True,
+                           capture_output=True).stdout
+  subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
+  package = pathlib.Path(directory) / name
+  (pathlib.Path(directory) / "optax_muon").rename(package)
+  for source in package.glob("*.py"):
+    source.write_text(source.read_text().replace("optax_muon", name))
+  sys.path.insert(0, directory)
+  return importlib.import_module(name)
+
+
+def optimizers(params, stacked: bool, method: str, baseline=None) -> dict:
   """Same routing for both Muon implementations: every matrix (2-D or stacked) on Muon."""
-  ours = optax_muon.muon(0.02, routing=optax_muon.Routing(adam_pattern=None),
-                         ns_options=optax_muon.NSOptions(method=method),
-                         muon_weight_dimension_numbers=muon_dims(params) if stacked else None)
   contrib = optax.contrib.muon(
       0.02, muon_weight_dimension_numbers=muon_dims(params, contrib=True) if stacked else None)
-  return {"optax_muon": ours, "optax.contrib.muon": contrib, "optax.adamw": optax.adamw(1e-3)}
+  txs = {"optax_muon": _muon(optax_muon, params, stacked, method),
+         "optax.contrib.muon": contrib, "optax.adamw": optax.adamw(1e-3)}
+  if baseline is not None:
+    txs[baseline.__name__] = _muon(baseline, params, stacked, method)
+  return txs
 
 
-def bench_updates(d: int, layers: int, stacked: bool, repeats: int) -> list[dict]:
+def bench_updates(d: int, layers: int, stacked: bool, repeats: int, baseline=None
+                  ) -> list[dict]:
   params = gpt_tree(d, layers, stacked=stacked)
   grads = random_like(params, 1)
   rows = []
   for method in ("auto", "standard"):
-    txs = optimizers(params, stacked, method)
+    txs = optimizers(params, stacked, method, baseline if method == "auto" else None)
     if method == "standard":  # the anchors don't depend on the method
       txs = {"optax_muon": txs["optax_muon"], "optax.contrib.muon": txs["optax.contrib.muon"]}
     fns = {name: jax.jit(tx.update) for name, tx in txs.items()}
@@ -117,11 +154,14 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--repeats", type=int, default=9)
+  parser.add_argument("--baseline", help="git revision of optax_muon to time alongside")
   args = parser.parse_args(argv)
   sizes, repeats = ([(64, 2)], 3) if args.quick else ([(256, 6), (512, 6)], args.repeats)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {repeats}")
-  update_rows = [r for d, layers in sizes for stacked in (False, True)
-                 for r in bench_updates(d, layers, stacked, repeats)]
+  with tempfile.TemporaryDirectory() as directory:
+    baseline = import_baseline(args.baseline, directory) if args.baseline else None
+    update_rows = [r for d, layers in sizes for stacked in (False, True)
+                   for r in bench_updates(d, layers, stacked, repeats, baseline)]
   print(table(update_rows, ["tree", "optimizer", "ms", "vs_contrib"],
               {"ms": "{:.1f}", "vs_contrib": "{:.2f}×"}))
   ns_rows = [r for d, layers in sizes for r in bench_ns_throughput(d, layers, repeats)]

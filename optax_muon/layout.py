@@ -48,7 +48,9 @@ class MuonDimensionNumbers(NamedTuple):
   output_axis: Sequence[int] | int = 1
 
 
-DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbers)
+# optax.contrib's own type is accepted too (optax ≥ 0.2.6 has one).
+DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers,) + tuple(
+    t for t in (getattr(optax.contrib, "MuonDimensionNumbers", None),) if t is not None)
 
 
 def is_dimension_numbers(x: Any) -> bool:

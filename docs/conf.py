@@ -1,0 +1,45 @@
+"""Sphinx configuration: API reference from the docstrings, topic pages in Markdown, the
+quickstart notebook rendered as stored. Builds offline (no intersphinx)."""
+
+import pathlib
+import shutil
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import optax_muon  # noqa: E402
+
+project = "optax_muon"
+author = "optax_muon developers"
+release = optax_muon.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "myst_nb",
+]
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+myst_enable_extensions = ["dollarmath"]
+myst_heading_anchors = 3
+nb_execution_mode = "off"  # the notebook runs in the test suite (tests/test_notebook.py)
+
+autodoc_typehints = "none"  # the docstrings' Args say what each argument takes
+autodoc_member_order = "bysource"
+autodoc_default_options = {"members": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+html_theme = "sphinx_book_theme"
+html_title = "optax_muon"
+html_theme_options = {"show_toc_level": 2}
+suppress_warnings = ["myst.header"]
+
+# The notebook lives with the examples; the site renders a copy.
+_NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
+(pathlib.Path(__file__).parent / "notebooks").mkdir(exist_ok=True)
+shutil.copyfile(_NOTEBOOK, pathlib.Path(__file__).parent / "notebooks" / "quickstart.ipynb")
