@@ -119,8 +119,9 @@ def steps_to_reach(curve: list, target: float) -> int | None:
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--out", default="runs")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny model, a few steps, one seed (a smoke run)")
+  parser.add_argument("--out", default="runs", help="output folder (default runs)")
   parser.add_argument("--sweep", action="store_true",
                       help="sweep the baselines' learning rates instead of using BEST_LRS")
   parser.add_argument("--resume", action="store_true",

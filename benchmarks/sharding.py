@@ -279,12 +279,15 @@ def _child(n: int, quick: bool, contrib: bool, pythonpath: str) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--quick", action="store_true",
+                      help="8 devices, small trees, this code only (a smoke run)")
   parser.add_argument("--devices", type=int, help="measure in this process (child mode)")
-  parser.add_argument("--no-contrib", action="store_true")
+  parser.add_argument("--no-contrib", action="store_true",
+                      help="skip optax.contrib.muon's compile times")
   parser.add_argument("--baseline", default=BASELINE,
                       help="git revision of the previous plan; 'none' to skip")
-  parser.add_argument("--counts", default=",".join(map(str, COUNTS)))
+  parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
+                      help="comma-separated device counts (default 8,16,64)")
   args = parser.parse_args(argv)
   if args.devices is not None:
     rows = measure(args.devices, args.quick, not args.no_contrib)

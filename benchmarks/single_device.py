@@ -152,8 +152,9 @@ def table(rows: list[dict], columns: list[str], formats: dict) -> str:
 
 def main(argv=None) -> tuple[list[dict], list[dict]]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--repeats", type=int, default=9)
+  parser.add_argument("--quick", action="store_true", help="tiny trees, 3 repeats (a smoke run)")
+  parser.add_argument("--repeats", type=int, default=9,
+                      help="timed calls of each update, alternating (default 9)")
   parser.add_argument("--baseline", help="git revision of optax_muon to time alongside")
   args = parser.parse_args(argv)
   sizes, repeats = ([(64, 2)], 3) if args.quick else ([(256, 6), (512, 6)], args.repeats)

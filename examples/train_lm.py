@@ -51,15 +51,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="optimizer steps per run (default 600; 20 with --quick)")
   parser.add_argument("--quick", action="store_true", help="tiny model, 20 steps")
   parser.add_argument("--out", default="runs", help="output folder")
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--seq-len", type=int, default=128)
-  parser.add_argument("--d-model", type=int, default=128)
-  parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--muon-lr", type=float, default=0.02)
+  parser.add_argument("--batch-size", type=int, default=32,
+                      help="sequences per step, split over the devices (default 32)")
+  parser.add_argument("--seq-len", type=int, default=128, help="context in bytes (default 128)")
+  parser.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
+  parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+  parser.add_argument("--muon-lr", type=float, default=0.02,
+                      help="Muon's peak learning rate (default 0.02)")
   parser.add_argument("--adam-lr", type=float, default=3e-3,
                       help="AdamW's learning rate, in the baseline and for Muon's AdamW leaves")
-  parser.add_argument("--eval-every", type=int, default=50)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--eval-every", type=int, default=50,
+                      help="steps between validation evaluations (default 50)")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the init and the batch order (default 0)")
   parser.add_argument("--sharding", choices=("fsdp", "dp"), default="fsdp",
                       help="fsdp: params sharded over the devices; dp: params replicated")
   parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",

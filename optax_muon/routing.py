@@ -127,9 +127,9 @@ def decide(params: Any, routing: Routing, dims: list[Any] | None) -> list[Route 
               for path, (_, leaf) in zip(paths, positions)]
     undescribed = [r.path for r in routes if r is not None and r.reason == Reason.UNDESCRIBED]
     if undescribed:
-      warnings.warn(f"optax_muon: {len(undescribed)} leaves of rank >= 3 go to AdamW because "
-                    f"no MuonDimensionNumbers describe them: {undescribed}. If they are "
-                    "stacked layers, conv kernels or experts, pass "
+      warnings.warn(f"optax_muon: leaves of rank >= 3 go to AdamW because no "
+                    f"MuonDimensionNumbers describe them: {tree_utils.listing(undescribed)}. "
+                    "If they are stacked layers, conv kernels or experts, pass "
                     "muon_weight_dimension_numbers.", stacklevel=2)
   return [r if tree_utils.is_array_leaf(leaf) else None
           for r, (_, leaf) in zip(routes, positions)]

@@ -97,6 +97,7 @@ def test_dimension_numbers_route_like_optax_contrib():
     lambda p: {"embed": "muon", "layer": {"kernel": "adam", "bias": "adam"}, "norm": "adam",
                "lm_head": "muon"},
 ])
+@pytest.mark.slow
 def test_user_labels_tree_prefix_and_callable(labels):
   params = _params()
   tx = om.muon(0.1, routing=om.Routing(labels=labels))
@@ -185,6 +186,7 @@ def _mlp(key=jax.random.PRNGKey(0), sizes=(16, 64, 64, 4)):
           for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
 
 
+@pytest.mark.slow
 def test_defaults_follow_optax_contrib_loss_curve():
   """Default arguments of both on a plain MLP: the same loss curve over 20 steps (the
   differences left: the NS ε of the preset and the float32 normalization)."""

@@ -11,6 +11,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import orthogonality  # noqa: E402
 import single_device  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+
 
 def test_single_device_quick(capsys):
   update_rows, ns_rows = single_device.main(["--quick"])

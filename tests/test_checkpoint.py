@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import optax_muon as om
 from trees import gpt_tree, random_like
 
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+
 
 @pytest.mark.parametrize("variants", [{}, {"normalization": om.NorMuon(),
                                           "cautious_weight_decay": True}])

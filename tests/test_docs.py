@@ -14,6 +14,7 @@ BLOCKS = [(page, block) for page in PAGES
           for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page,block", BLOCKS,
                          ids=[f"{p.relative_to(ROOT)}:{i}" for i, (p, _) in enumerate(BLOCKS)])
 def test_python_block_runs(page, block, capsys):
@@ -43,3 +44,17 @@ def test_every_public_name_is_in_the_api_reference():
   api = (ROOT / "docs" / "api.rst").read_text()
   documented = set(re.findall(r"^\.\. auto(?:function|class|data):: (\w+)", api, re.M))
   assert set(optax_muon.__all__) <= documented, set(optax_muon.__all__) - documented
+
+
+SCRIPTS = sorted([*(ROOT / "examples").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_every_command_line_option_has_help(script):
+  """What ``--help`` prints: each option of each example and benchmark says what it does."""
+  import ast  # noqa: PLC0415
+  calls = [node for node in ast.walk(ast.parse(script.read_text()))
+           if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"]
+  silent = [ast.literal_eval(c.args[0]) for c in calls
+            if not any(k.arg == "help" for k in c.keywords)]
+  assert not silent, silent

@@ -12,6 +12,8 @@ from flax.training import train_state
 import optax_muon as om
 from gpt import GPT, GPTConfig, batches, loss_fn, stdlib_corpus, train_step
 
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+
 CFG = GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32)
 STEPS = 12
 

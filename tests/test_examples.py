@@ -7,6 +7,8 @@ import pytest
 
 import train_lm
 
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+
 
 def test_train_lm_quick(tmp_path):
   results = train_lm.main(["--quick", "--steps", "12", "--out", str(tmp_path)])

@@ -12,6 +12,8 @@ import nnx_auto_mesh
 import optax_muon as om
 from helpers import rel_err
 
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+
 
 def _auto_mesh():
   return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))

@@ -7,6 +7,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 
 

@@ -163,6 +163,7 @@ def test_bad_arrays():
     om.newton_schulz(jnp.ones((4, 4), jnp.int32))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(m=st.integers(1, 40), n=st.integers(1, 40),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
@@ -183,6 +184,7 @@ def test_property_polar_express_is_orthogonal(m, n, dtype, log_scale, seed):
   assert np.abs(got - 1).max() < tol, got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,steps", [("jordan", 5), ("polar_express", 6),
                                           ("polar_express", 8)])
 @pytest.mark.parametrize("shape", [(32, 128), (128, 32), (24, 24)])
@@ -206,6 +208,7 @@ def test_auto_method_picks_gram_only_where_it_saves_flops():
     om.newton_schulz(jnp.ones((4, 8)), gram_restart=0)
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(m=st.integers(2, 48), n=st.integers(2, 48), seed=st.integers(0, 2**16),
        log_floor=st.floats(-2.0, 0.0),

@@ -4,6 +4,9 @@ import pathlib
 
 import nbclient
 import nbformat
+import pytest
+
+pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -57,9 +57,9 @@ def _assert_same_updates(ours, theirs, params, steps=3, tol=1e-5):
     params = optax.apply_updates(params, u1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preconditioning", ["frobenius", "spectral", "aol", "schatten"])
-@pytest.mark.parametrize("adaptive", [False, True])
-@pytest.mark.parametrize("consistent_rms", [None, 0.2])
+@pytest.mark.parametrize("adaptive,consistent_rms", [(False, None), (True, 0.2)])
 def test_muon_equals_optax_contrib(preconditioning, adaptive, consistent_rms):
   """Only the import changes; routing (dimension numbers) and NAdamW matched."""
   kwargs = dict(ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=5, beta=0.9, eps=1e-8,
@@ -136,6 +136,7 @@ def test_complex_least_squares():
 
 
 
+@pytest.mark.slow
 def test_complex_updates_equal_optax_contrib():
   """Frobenius preconditioning, NAdamW matched, well-conditioned complex gradients."""
   _, params = _complex_problem()
@@ -153,6 +154,7 @@ def test_complex_updates_equal_optax_contrib():
       assert a.dtype == jnp.complex64 and rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow
 def test_complex_newton_schulz_matches_svd():
   key = jax.random.PRNGKey(2)
   x = (jax.random.normal(key, (2, 12, 20)) + 1j * jax.random.normal(key, (2, 12, 20))).astype(
@@ -163,8 +165,9 @@ def test_complex_newton_schulz_matches_svd():
     assert rel_err(y, om.msign(x)) < 1e-3, method
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("magnitude", [0.0, 1.0, 1e3, 6e4])
+@pytest.mark.parametrize("magnitude", [0.0, 6e4])
 def test_16_bit_params_give_finite_updates(dtype, magnitude):
   params = _params(dtype)
   tx = om.muon(0.02, muon_weight_dimension_numbers=_dims)

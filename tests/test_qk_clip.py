@@ -72,6 +72,7 @@ def test_matches_numpy_reference(case):
                           np.asarray(-lr * grads[name])[untouched])
 
 
+@pytest.mark.slow
 def test_stacked_layers_with_head_axis():
   """(layers, d, heads, head_dim) kernels: maxima (layers, heads), each layer its own γ."""
   q, k = _normal(0, (3, D, 4, DH)), _normal(1, (3, D, 2, DH))
@@ -98,6 +99,7 @@ def _head_max_logits(x, wq, wk, heads, kv_heads):
   return jnp.max(jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf), axis=(0, 2, 3))
 
 
+@pytest.mark.slow
 def test_post_clip_logits_are_capped_at_tau():
   """With S measured on the parameters it rescales, every head's logits end ≤ τ, and the
   head that set its group's γ lands on τ."""
@@ -130,6 +132,7 @@ def _gpt_like():
   return params, heads, maxima
 
 
+@pytest.mark.slow
 def test_muon_option_is_muon_then_qk_clip():
   params, heads, maxima = _gpt_like()
   grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
@@ -202,6 +205,7 @@ def test_bad_options():
     tx.update({"q": jnp.ones((4, 4))}, optax.EmptyState(), attn_logit_max=jnp.ones(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_sharded_equals_single_device_without_collectives(axis_type):
   """q sharded on its input axis (FSDP), k on its head axis (tensor parallel)."""

@@ -101,6 +101,7 @@ def _compare(updates, reference):
     assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_equals_single_device(case, axis_type):
@@ -145,6 +146,7 @@ def test_sharded_equals_single_device(case, axis_type):
   assert cost.collectives_in_loops == 0
 
 
+@pytest.mark.slow
 def test_plan_floors_on_fsdp8_gpt():
   """The benchmark's per-layer GPT on FSDP-8 meets the compiled-HLO floors: NS FLOPs,
   received bytes, temp memory and the collective count."""
@@ -418,6 +420,7 @@ def test_unsharded_leaves_are_the_trivial_plan():
   assert plan.critical_ns_flops() == 4 * om.ns_flops(16, 32, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", ["GQA+SwiGLU", "MoE"])
 def test_floors_at_scale_trees_on_eight_devices(tree):
   """The benchmark's GQA + SwiGLU and MoE trees (small) on 8 devices, read off the HLO:
@@ -464,8 +467,10 @@ def _moment_spec(param_spec, input_axis, ndim):
              for d, a in enumerate(axes)])
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-@pytest.mark.parametrize("case", ["fsdp8", "fsdp4xtp2", "fsdp8-stacked-matrix-axis"])
+@pytest.mark.slow
+@pytest.mark.parametrize("case,axis_type", [
+    ("fsdp8", AxisType.Explicit), ("fsdp4xtp2", AxisType.Explicit),
+    ("fsdp4xtp2", AxisType.Auto), ("fsdp8-stacked-matrix-axis", AxisType.Auto)])
 def test_normuon_and_cautious_decay_sharded_equal_single_device(case, axis_type):
   """Updates and NorMuon's state equal the single-device ones; the state is sharded like
   the params' output axes; NorMuon adds only small all-reduces (no gather)."""
@@ -512,6 +517,7 @@ def test_normuon_and_cautious_decay_sharded_equal_single_device(case, axis_type)
   assert moving(variants) == moving(plain)  # no gather beyond NS's own exchange
 
 
+@pytest.mark.slow
 def test_normuon_and_cautious_decay_in_shard_map_match_single_device():
   """Inside the user's shard_map (FSDP × TP: input and output axes split): psums complete
   NorMuon's sums; equal to the single-device result."""

@@ -117,6 +117,7 @@ def test_bias_corrected_ema_differs_from_the_uncorrected_one_only_in_the_mix():
     ("jordan", 0.3, lambda i, o: 0.3 * np.sqrt(max(i, o))),
     (None, None, lambda i, o: 1.0),
 ])
+@pytest.mark.slow
 def test_update_scale(kind, consistent_rms, expected):
   params = {"wide": jnp.zeros((16, 64)), "tall": jnp.zeros((64, 16))}
   tx = optax.chain(om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
