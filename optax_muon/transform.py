@@ -281,4 +281,4 @@ def scale_by_shape(weight_dimension_numbers: Any = None,
            for x, leaf in zip(spec.take(updates), spec.muon_leaves)]
     return spec.put(updates, out), state
 
-  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -67,5 +67,5 @@ def add_cautious_decayed_weights(weight_decay: jax.typing.ArrayLike = 0.0,
         lambda u, p: (u + weight_decay * p * _agree(p, u)).astype(u.dtype), updates, params)
     return decayed, state
 
-  tx = optax.GradientTransformation(optax.init_empty_state, update_fn)
+  tx = optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
   return tx if mask is None else optax.masked(tx, mask)

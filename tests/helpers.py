@@ -1,6 +1,17 @@
-"""Test helpers: matrices with prescribed spectra and singular-value checks."""
+"""Test helpers: matrices with prescribed spectra, singular-value checks, references."""
+
+import inspect
 
 import numpy as np
+import optax
+import pytest
+
+#: Tests that compare against optax.contrib.muon need its 0.2.8 API (preconditioning,
+#: consistent_rms, MuonDimensionNumbers); with an older optax (the declared minimum is
+#: 0.2.5) they are skipped, everything else runs.
+requires_contrib_api = pytest.mark.skipif(
+    "preconditioning" not in inspect.signature(optax.contrib.muon).parameters,
+    reason=f"optax {optax.__version__}: optax.contrib.muon predates the 0.2.8 API compared with")
 
 
 def matrix_with_spectrum(rng: np.random.Generator, m: int, n: int,

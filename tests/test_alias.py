@@ -11,7 +11,7 @@ from flax import nnx
 
 import optax_muon as om
 from gpt import GPT, GPTConfig
-from helpers import random_grads, rel_err
+from helpers import random_grads, rel_err, requires_contrib_api
 
 DN = om.MuonDimensionNumbers
 
@@ -151,6 +151,7 @@ def test_adam_branch_is_optax_adamw_and_muon_decay_is_decoupled(nesterov):
     params = optax.apply_updates(params, u)
 
 
+@requires_contrib_api
 def test_matches_optax_contrib_muon():
   """Same configuration (all 2-D on Muon, NAdamW elsewhere): same updates."""
   params = _params()
@@ -186,6 +187,7 @@ def _mlp(key=jax.random.PRNGKey(0), sizes=(16, 64, 64, 4)):
           for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
 
 
+@requires_contrib_api
 @pytest.mark.slow
 def test_defaults_follow_optax_contrib_loss_curve():
   """Default arguments of both on a plain MLP: the same loss curve over 20 steps (the

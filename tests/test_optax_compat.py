@@ -1,5 +1,7 @@
 """Drop-in for optax.contrib.muon: same calls, same updates; and the odd inputs users try."""
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,12 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-import inspect
-
 import optax_muon as om
-from helpers import random_grads, rel_err
+from helpers import random_grads, rel_err, requires_contrib_api
 
-CDN = optax.contrib.MuonDimensionNumbers
+# optax.contrib's own type where it has one (optax >= 0.2.6), to show ours accepts it.
+CDN = getattr(optax.contrib, "MuonDimensionNumbers", om.MuonDimensionNumbers)
 
 
 def _params(dtype=jnp.float32):
@@ -28,6 +29,7 @@ def _params(dtype=jnp.float32):
 _grads = random_grads
 
 
+@requires_contrib_api
 @pytest.mark.parametrize("ours,theirs,most", [
     (om.muon, optax.contrib.muon, 28), (om.scale_by_muon, optax.contrib.scale_by_muon, 16)])
 def test_call_surface_starts_with_optax_contribs_arguments(ours, theirs, most):
@@ -57,6 +59,7 @@ def _assert_same_updates(ours, theirs, params, steps=3, tol=1e-5):
     params = optax.apply_updates(params, u1)
 
 
+@requires_contrib_api
 @pytest.mark.slow
 @pytest.mark.parametrize("preconditioning", ["frobenius", "spectral", "aol", "schatten"])
 @pytest.mark.parametrize("adaptive,consistent_rms", [(False, None), (True, 0.2)])
@@ -72,6 +75,7 @@ def test_muon_equals_optax_contrib(preconditioning, adaptive, consistent_rms):
   _assert_same_updates(ours, theirs, _params())
 
 
+@requires_contrib_api
 @pytest.mark.parametrize("preset", ["standard", "dion"])
 def test_optax_presets_and_positional_order(preset):
   """optax's positional order: learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay."""
@@ -81,6 +85,7 @@ def test_optax_presets_and_positional_order(preset):
                        optax.contrib.muon(*args), params)
 
 
+@requires_contrib_api
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_scale_by_muon_equals_optax_contrib(adaptive):
   """optax.contrib.scale_by_muon applies no shape factor: neither does ours by default."""
@@ -136,6 +141,7 @@ def test_complex_least_squares():
 
 
 
+@requires_contrib_api
 @pytest.mark.slow
 def test_complex_updates_equal_optax_contrib():
   """Frobenius preconditioning, NAdamW matched, well-conditioned complex gradients."""

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import optax_muon as om
-from helpers import numpy_newton_schulz, random_grads, rel_err, singular_values
+from helpers import numpy_newton_schulz, random_grads, rel_err, requires_contrib_api, singular_values
 
 DN = om.MuonDimensionNumbers
 
@@ -36,6 +36,7 @@ def _run(tx, params, steps=4):
   return out, state
 
 
+@requires_contrib_api
 def test_matches_optax_contrib_scale_by_muon():
   """ema + Nesterov + Jordan coefficients in f32: optax.contrib's configuration."""
   params = _tree()
@@ -48,6 +49,7 @@ def test_matches_optax_contrib_scale_by_muon():
       assert rel_err(a, b) < 1e-5
 
 
+@requires_contrib_api
 def test_contrib_dimension_numbers_are_accepted():
   params = _tree()
   contrib_dims = jax.tree.map(lambda d: optax.contrib.MuonDimensionNumbers(*d), DIMS,
