@@ -195,7 +195,7 @@ def _odd_quintic(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def _minimax_odd_quintic(lo: float, hi: float, iterations: int = 100) -> np.ndarray:
-  """The odd quintic minimizing max |1 − p(x)| on [lo, hi], by Remez exchange.
+  """The odd quintic minimizing max ``|1 − p(x)|`` on [lo, hi], by Remez exchange.
 
   The optimum equioscillates at lo, two interior extrema and hi: p = 1 − E, 1 + E, 1 − E,
   1 + E there.
@@ -245,7 +245,7 @@ def polar_express_coefficients(steps: int, lower_bound: float = 1e-3, *,
                                cushion: float = POLAR_EXPRESS_CUSHION) -> tuple[Triple, ...]:
   """Generates a Polar Express coefficient table (Amsel et al. 2025).
 
-  Greedy construction: at each step the odd quintic minimizing max |1 − p(x)| over the
+  Greedy construction: at each step the odd quintic minimizing max ``|1 − p(x)|`` over the
   cushioned interval [max(ℓ, κ·u), u], rescaled so that p(ℓ) + p(u) = 2, after which the
   interval maps forward (ℓ ← p(ℓ), u ← 2 − ℓ). Once it has collapsed onto 1 the step is the
   limit (15/8, −10/8, 3/8). Each row but the last is then replaced by p(x / (1 + safety))

@@ -30,7 +30,7 @@ def diagnostics(updates: Any, tx: Any, params: Any, sample: str | None = None
 
   Returns:
     ``update_rms/muon`` and ``update_rms/adam`` (root mean square over each group's
-    elements), and ``orthogonality_error``: max |σᵢ / mean(σ) − 1| over the singular values
+    elements), and ``orthogonality_error``: max ``|σᵢ / mean(σ) − 1|`` over the singular values
     of the sampled update matrix (0 for an exactly orthogonal direction; Jordan's
     coefficients leave about 0.3; weight decay adds to it). Call it inside your jitted step.
 

@@ -11,7 +11,7 @@ The input and output axes are the leaf's dimension numbers; every index along it
 axes is its own matrix (own v, own norms). v has the leaf's shape with its input axes
 reduced to size 1, so it shards like the params' output and batch axes: under ``jit`` the
 reductions are plain ``jnp`` (XLA inserts the small all-reduces); inside ``shard_map`` they
-are ``psum``s over the mesh axes that split the reduced dimensions. No whole matrix is
+are ``psum`` over the mesh axes that split the reduced dimensions. No whole matrix is
 gathered.
 """
 

@@ -104,7 +104,7 @@ class ShardingOptions:
 
   Attributes:
     replica_policy: for leaves replicated over some mesh axes: ``"split"`` the NS work
-      among the replicas and all-gather the results, or compute it ``"redundant"``ly on each.
+      among the replicas and all-gather the results, or compute it ``"redundant"`` on each.
     wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the bytes);
       ``None`` keeps the leaves'.
     exchange: ``"combined"``: one all-to-all each way for all leaves that share their mesh

@@ -76,7 +76,7 @@ def route(params: Any, routing: Routing | None = None, weight_dimension_numbers:
        layers.
 
   Args:
-    params: the params tree (arrays or ``jax.ShapeDtypeStruct``s).
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct`` objects).
     routing: the ``Routing`` options; ``None`` is ``Routing()``.
     weight_dimension_numbers: see rule 2.
 

@@ -222,7 +222,7 @@ def tree_spec(tree: Any, options: MuonOptions) -> TreeSpec:
   """The spec of ``tree`` under ``options`` (memoized per tree).
 
   Args:
-    tree: params or updates: arrays, tracers or ``jax.ShapeDtypeStruct``s; inside
+    tree: params or updates: arrays, tracers or ``jax.ShapeDtypeStruct`` objects; inside
       ``shard_map`` local blocks.
     options: the transformation's static options.
 

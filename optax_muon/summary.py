@@ -169,7 +169,7 @@ def summarize(params: Any, tx: Any, *, print_table: bool = False) -> RoutingSumm
   """Shows, per leaf, which optimizer ``tx`` applies and what NS costs there.
 
   Args:
-    params: the params (arrays or ``jax.ShapeDtypeStruct``s).
+    params: the params (arrays or ``jax.ShapeDtypeStruct`` objects).
     tx: a transformation that contains ``muon`` or ``scale_by_muon`` (directly or inside
       ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
       ``optax.apply_if_finite``, ...), or an ``nnx.Optimizer``.
