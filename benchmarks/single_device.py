@@ -54,7 +54,8 @@ def alternate(fns: dict, args: dict, repeats: int) -> dict[str, float]:
 def _muon(package, params, stacked: bool, method: str):
   """``package.muon`` with every matrix (2-D or stacked) on Muon and NAdamW elsewhere; also
   the flat keywords of the code before the option objects (a ``--baseline`` checkout)."""
-  dims = muon_dims(params) if stacked else None
+  # optax.contrib's dimension numbers: every version of optax_muon accepts them.
+  dims = muon_dims(params, contrib=True) if stacked else None
   if hasattr(package, "NSOptions"):
     return package.muon(0.02, routing=package.Routing(adam_pattern=None),
                         ns_options=package.NSOptions(method=method),

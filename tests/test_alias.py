@@ -85,10 +85,19 @@ def test_dimension_numbers_route_like_optax_contrib():
   dims = {"stack": DN(1, 2), "w": None, "b": None}
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    tx = om.muon(0.1, muon_weight_dimension_numbers=dims)
+    tx = om.muon(0.1, "polar_express", 8, muon_weight_dimension_numbers=dims)
     assert _labels(tx, params) == {"stack": "muon", "w": "adam", "b": "adam"}
-    state = tx.init(params)
-    tx.update(_grads(params, 0), state, params)
+    grads = _grads(params, 0)
+    updates, _ = tx.update(grads, tx.init(params), params)
+  # The stacked leaf is two orthogonalized 8 × 8 matrices (all σ = lr); w and b get NAdamW.
+  np.testing.assert_allclose(np.linalg.svd(np.asarray(updates["stack"]), compute_uv=False),
+                             0.1, rtol=2e-3)
+  nadamw = optax.adamw(0.1, nesterov=True, weight_decay=0.0)
+  adam_params = {k: params[k] for k in ("w", "b")}
+  expected, _ = nadamw.update({k: grads[k] for k in ("w", "b")}, nadamw.init(adam_params),
+                              adam_params)
+  for k in ("w", "b"):
+    assert rel_err(updates[k], expected[k]) < 1e-6, k
 
 
 @pytest.mark.parametrize("labels", [
