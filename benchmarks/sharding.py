@@ -253,7 +253,7 @@ def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
   from single_device import alternate  # noqa: PLC0415  (only this table needs timing)
   n = jax.device_count()
   params = gpt_tree(d, layers)
-  mesh = jax.make_mesh((n,), ("dp",))
+  mesh = jax.make_mesh((n,), ("dp",), axis_types=(AxisType.Explicit,))
   replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
   fns, args = {}, {}
   with jax.set_mesh(mesh):

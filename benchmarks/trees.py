@@ -101,7 +101,9 @@ def stacked_dims(params: dict, *, contrib: bool = False, adam: tuple[str, ...] =
   """Dimension numbers of a stacked tree: the last two axes of every ≥3-D block leaf form
   the matrix (layer and expert axes are batch axes); block vectors and the top-level
   entries named in ``adam`` get None (AdamW)."""
-  cls = optax.contrib.MuonDimensionNumbers if contrib else optax_muon.MuonDimensionNumbers
+  # optax.contrib has its own type from optax 0.2.6 on; before, its muon takes no trees.
+  cls = (getattr(optax.contrib, "MuonDimensionNumbers", optax_muon.MuonDimensionNumbers)
+         if contrib else optax_muon.MuonDimensionNumbers)
   dims = lambda x: cls(x.ndim - 2, x.ndim - 1) if x.ndim >= 3 else None
   return {k: jax.tree.map(lambda _: None, v) if k in adam
           else jax.tree.map(dims, v) if k == "blocks" else
@@ -114,7 +116,9 @@ def muon_dims(params: dict, *, contrib: bool = False, adam: tuple[str, ...] = ()
 
   Top-level entries named in ``adam`` (e.g. the embedding and head) get None: AdamW.
   """
-  cls = optax.contrib.MuonDimensionNumbers if contrib else optax_muon.MuonDimensionNumbers
+  # optax.contrib has its own type from optax 0.2.6 on; before, its muon takes no trees.
+  cls = (getattr(optax.contrib, "MuonDimensionNumbers", optax_muon.MuonDimensionNumbers)
+         if contrib else optax_muon.MuonDimensionNumbers)
 
   stacked = any(x.ndim == 3 for x in jax.tree.leaves(params))
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                   n_heads=max(1, args.d_model // 32))
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
   if args.batch_size % jax.device_count():
     raise ValueError(f"--batch-size {args.batch_size} must divide over "
                      f"{jax.device_count()} devices.")

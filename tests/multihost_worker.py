@@ -15,7 +15,7 @@ sys.path.insert(0, str(root / "tests"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import optax_muon  # noqa: E402
 from trees import gpt_tree  # noqa: E402
@@ -36,7 +36,7 @@ def main(port: str, process_id: int) -> None:
   for g in grads:
     reference, state = jax.jit(tx_ref.update)(g, state, params)
 
-  mesh = jax.make_mesh((8,), ("fsdp",))
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   specs = jax.tree.map(lambda x: P("fsdp") if x.ndim == 2 else P(), params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(

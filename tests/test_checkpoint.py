@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optax_muon as om
 from trees import gpt_tree, random_like
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite 
 @pytest.mark.parametrize("variants", [{}, {"normalization": om.NorMuon(),
                                           "cautious_weight_decay": True}])
 def test_restore_continues_bit_identically(tmp_path, variants):
-  mesh = jax.make_mesh((8,), ("fsdp",))
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   params = gpt_tree(32, 4)
   shardings = jax.tree.map(
       lambda x: NamedSharding(mesh, P("fsdp") if x.ndim == 2 else P()), params)
