@@ -50,6 +50,7 @@ from gpt import (GPT, GPTConfig, batches, eval_windows, loss_fn, stdlib_corpus, 
                  train_step)
 from plotting import save_loss_plot  # noqa: E402
 from single_device import table  # noqa: E402
+from trees import require_optax_contrib_muon  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,7 @@ def main(argv=None) -> dict:
                       help="train nothing: the table of the saved runs (rows without runs "
                       "left out)")
   args = parser.parse_args(argv)
+  require_optax_contrib_muon()
   budget = QUICK if args.quick else Budget()
   data = stdlib_corpus(max_bytes=300_000 if args.quick else 4_000_000)
   seeds = (0,) if args.quick else (0, 1)  # --quick: every row once

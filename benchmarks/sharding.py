@@ -72,7 +72,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
 from single_device import table  # noqa: E402
-from trees import gpt_tree, llama_tree, moe_tree, muon_dims, stacked_dims  # noqa: E402
+from trees import (gpt_tree, llama_tree, moe_tree, muon_dims,  # noqa: E402
+                   require_optax_contrib_muon, stacked_dims)
 
 import hlo_cost  # noqa: E402  (this checkout's HLO reader, also when optax_muon is the baseline's)
 
@@ -289,6 +290,7 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
                       help="comma-separated device counts (default 8,16,64)")
   args = parser.parse_args(argv)
+  require_optax_contrib_muon()
   if args.devices is not None:
     rows = measure(args.devices, args.quick, not args.no_contrib)
     print(json.dumps(rows))

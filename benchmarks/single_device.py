@@ -31,7 +31,7 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
-from trees import gpt_tree, muon_dims, random_like  # noqa: E402
+from trees import gpt_tree, muon_dims, random_like, require_optax_contrib_muon  # noqa: E402
 
 
 def _timed(fn, *args) -> float:
@@ -158,6 +158,7 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
                       help="timed calls of each update, alternating (default 9)")
   parser.add_argument("--baseline", help="git revision of optax_muon to time alongside")
   args = parser.parse_args(argv)
+  require_optax_contrib_muon()
   sizes, repeats = ([(64, 2)], 3) if args.quick else ([(256, 6), (512, 6)], args.repeats)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {repeats}")
   with tempfile.TemporaryDirectory() as directory:

@@ -3,6 +3,8 @@ query attention + SwiGLU, stacked) and mixture-of-experts (stacked, experts per 
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +142,14 @@ def random_like(params: dict, seed: int) -> dict:
   return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
                                       for k, x in zip(keys, leaves)])
 
+
+def require_optax_contrib_muon() -> None:
+  """The benchmarks compare against optax.contrib.muon as optax 0.2.8 has it (dimension
+  numbers, preconditioning, consistent_rms, a separate AdamW learning rate).
+
+  Raises:
+    SystemExit: with what to install, on an older optax.
+  """
+  if "preconditioning" not in inspect.signature(optax.contrib.muon).parameters:
+    raise SystemExit(f"This benchmark compares against optax.contrib.muon as optax 0.2.8 has "
+                     f"it; optax {optax.__version__} is installed. pip install 'optax>=0.2.8'")

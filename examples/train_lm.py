@@ -127,7 +127,7 @@ def train(name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh) -> d
 
   def model_of(params):
     # FSDP forward: gather each weight; the gradient flows back reduce-scattered.
-    return nnx.merge(graphdef, jax.tree.map(lambda p: jax.reshard(p, P()), params))
+    return nnx.merge(graphdef, jax.tree.map(lambda p: jax.sharding.reshard(p, P()), params))
 
   def loss_of(params, batch):
     return loss_fn(model_of(params), batch)

@@ -7,7 +7,9 @@ from typing import Any
 import jax
 import optax
 
+from optax_muon import tree_utils
 from optax_muon.coefficients import CoefficientsLike
+from optax_muon.layout import is_dimension_numbers
 from optax_muon.momentum import moment_dtype
 from optax_muon.options import (NorMuon, NSOptions, Routing, ShardingOptions, check_number,
                                 check_option)
@@ -172,7 +174,9 @@ def muon(
                      "scale='spectral', not both.")
   options = MuonOptions(
       coefficients.steps, check_option("ns_options", ns_options, NSOptions, NSOptions()),
-      muon_weight_dimension_numbers, param_shardings,
+      tree_utils.freeze_prefix(muon_weight_dimension_numbers, is_value=is_dimension_numbers,
+                               what="muon_weight_dimension_numbers"),
+      param_shardings,
       check_option("sharding", sharding, ShardingOptions, ShardingOptions()),
       check_option("routing", routing, Routing, Routing()),
       check_option("normalization", normalization, NorMuon), scale,

@@ -10,10 +10,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 import orthogonality  # noqa: E402
 import single_device  # noqa: E402
+from helpers import requires_contrib_api  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
 
 
+@requires_contrib_api
 def test_single_device_quick(capsys):
   update_rows, ns_rows = single_device.main(["--quick"])
   names = {r["optimizer"] for r in update_rows}
@@ -44,6 +46,7 @@ def test_orthogonality_quick():
   assert by_name[("polar_express", 8)]["power law float32"] < 1e-2
 
 
+@requires_contrib_api
 def test_sharding_quick():
   import sharding
   rows = sharding.main(["--quick"])
@@ -53,6 +56,7 @@ def test_sharding_quick():
     assert r["bytes"] <= max(1.45, 1.05 * r["chunks"]) and r["temp"] <= 3
 
 
+@requires_contrib_api
 def test_convergence_quick(tmp_path):
   import convergence
   summary = convergence.main(["--quick", "--out", str(tmp_path)])
