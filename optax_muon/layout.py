@@ -118,12 +118,6 @@ class MatrixLayout:
     """Leaf → ``(batch, n_in, n_out)``."""
     return jnp.transpose(x, self._perm).reshape(self.batch, self.n_in, self.n_out)
 
-  def from_matrices(self, y: jax.Array) -> jax.Array:
-    """``(batch, n_in, n_out)`` → leaf shape (inverse of ``to_matrices``)."""
-    y = y.reshape(tuple(self.shape[a] for a in self._perm))
-    inverse = tuple(sorted(range(len(self.shape)), key=self._perm.__getitem__))
-    return jnp.transpose(y, inverse)
-
 
 def make_layout(path: str, leaf: Any, dims: Any | None) -> MatrixLayout:
   """Builds and validates the layout of one Muon leaf.
