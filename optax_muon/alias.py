@@ -15,7 +15,7 @@ from optax_muon.options import (NorMuon, NSOptions, Routing, ShardingOptions, ch
                                 check_option)
 from optax_muon.qk_clip import QKClip, then_clip
 from optax_muon.routing import ADAM, MUON
-from optax_muon.scaling import SCALE_KINDS
+from optax_muon.scaling import check_shape_scale
 from optax_muon.sharding import inside_shard_map, place_like_params
 from optax_muon.spec import MuonOptions, tree_spec
 from optax_muon.transform import (MuonHyperparams, MuonState, muon_transformation,
@@ -166,9 +166,7 @@ def muon(
   check_number("adam_b2", adam_b2, 0.0, 1.0)
   check_number("weight_decay", weight_decay, 0.0)
   check_number("adam_weight_decay", adam_weight_decay, 0.0)
-  check_number("consistent_rms", consistent_rms, 0.0, low_open=True)
-  if scale not in SCALE_KINDS:
-    raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}.")
+  check_shape_scale(scale, consistent_rms)
   if consistent_rms is not None and scale == "spectral":
     raise ValueError("consistent_rms replaces the shape scale; pass it or "
                      "scale='spectral', not both.")

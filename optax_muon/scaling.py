@@ -7,9 +7,18 @@ import math
 import jax
 import jax.numpy as jnp
 
+from optax_muon.options import check_number
 from optax_muon.sharding import sum_over
 
 SCALE_KINDS = ("jordan", "spectral", None)
+
+
+def check_shape_scale(scale: str | None, consistent_rms: jax.typing.ArrayLike | None) -> None:
+  """Raises ValueError, naming the argument, for an unknown ``scale`` or a Python
+  ``consistent_rms`` that is not positive."""
+  check_number("consistent_rms", consistent_rms, 0.0, low_open=True)
+  if scale not in SCALE_KINDS:
+    raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}.")
 
 
 def scale_factor(n_in: int, n_out: int, kind: str | None, *,

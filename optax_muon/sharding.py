@@ -101,7 +101,7 @@ def placement_of(x: Any, known: LeafSharding | None) -> LeafSharding | None:
   concrete array or struct already lies (also on an Auto mesh without param_shardings)."""
   if known is not None:
     return known
-  own = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+  own = None if isinstance(x, jax.core.Tracer) else typed_sharding(x)
   return LeafSharding.of(own, x.ndim) if isinstance(own, NamedSharding) else None
 
 

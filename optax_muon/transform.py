@@ -17,7 +17,7 @@ from optax_muon.newton_schulz import PRECONDITIONINGS, newton_schulz
 from optax_muon.normuon import init_moment, normalize_neurons
 from optax_muon.options import (MOMENTUM_KINDS, NorMuon, NSOptions, ShardingOptions,
                                 check_number, check_option)
-from optax_muon.scaling import SCALE_KINDS, dual_norm_scale, scale_factor
+from optax_muon.scaling import check_shape_scale, dual_norm_scale, scale_factor
 from optax_muon.sharding import placement_of, zeros
 from optax_muon.spec import MuonOptions, report_options, tree_spec
 
@@ -268,9 +268,7 @@ def scale_by_shape(weight_dimension_numbers: Any = None,
     >>> float(u["w"][0, 0])
     2.0
   """
-  check_number("consistent_rms", consistent_rms, 0.0, low_open=True)
-  if scale not in SCALE_KINDS:
-    raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}.")
+  check_shape_scale(scale, consistent_rms)
   options = MuonOptions(0, weight_dimension_numbers=weight_dimension_numbers)
 
   def update_fn(updates, state, params=None):
