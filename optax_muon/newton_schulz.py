@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon.coefficients import CoefficientsLike, resolve_coefficients
+from optax_muon.coefficients import CoefficientsLike, NSCoefficients, resolve_coefficients
 
 METHODS = ("standard", "gram", "auto")
 #: Steps between Gram restarts; see ``newton_schulz``.
@@ -22,12 +24,113 @@ def ns_orientation(rows: int, cols: int) -> tuple[tuple[int, int], bool]:
   return (min(rows, cols), max(rows, cols)), rows > cols
 
 
-def _gram(x: jax.Array) -> jax.Array:
-  """X·Xᴴ for a (..., m, n) array (the conjugate transpose, so complex inputs work)."""
-  return x @ jnp.conj(jnp.swapaxes(x, -1, -2))
+class Team:
+  """The devices that orthogonalize one matrix together, each holding a block of its columns
+  (canonical orientation: m ≤ n, the n side split). This base class is a team of one: the
+  whole matrix on one device, every collective the identity.
+
+  A team of k splits every long-side product by k (each member multiplies its own columns)
+  and the short-side ones by k too (each member computes a block of rows of the m × m
+  polynomial, then the blocks are gathered): per member 4·m²·n/k + 2·⌈m/k⌉·m² FLOPs per
+  step. Collectives per step: the Gram matrix's all-reduce (a reduce-scatter and an
+  all-gather, (k − 1)/k·m² elements received each) and the all-gather of the polynomial's
+  rows ((k − 1)/k·m²).
+  """
+
+  size = 1
+
+  def sum(self, x: jax.Array) -> jax.Array:
+    """Σ over the members of a small array (the norms' partial sums)."""
+    return x
+
+  def max(self, x: jax.Array) -> jax.Array:
+    """max over the members of a small array."""
+    return x
+
+  def sum_rows(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Σ over the members of an (..., m, m) matrix: (this member's row block, the whole)."""
+    return x, x
+
+  def row_block(self, a: jax.Array) -> jax.Array:
+    """This member's block of rows of an (..., m, m) matrix."""
+    return a
+
+  def gather_rows(self, block: jax.Array, rows: int) -> jax.Array:
+    """The members' row blocks put together: (..., m, m) with m = ``rows``."""
+    del rows
+    return block
 
 
-def _precondition(x: jax.Array, kind: str, safety: float, eps: float
+@dataclasses.dataclass(frozen=True)
+class MeshTeam(Team):
+  """Teams of ``size`` consecutive devices along mesh axes (inside ``shard_map``).
+
+  The devices along ``axes`` (linear index in the order given, row-major) form teams
+  [0, k), [k, 2k), …; every team runs the same program on its own matrices. Collectives
+  are grouped by team (``axis_index_groups``); the all-reduce is a reduce-scatter followed
+  by an all-gather, which also works inside a ``shard_map`` that checks replication.
+
+  Attributes:
+    axes: the mesh axes.
+    devices: the devices along ``axes`` (a multiple of k).
+    size: k, the members of each team.
+  """
+
+  axes: tuple[str, ...]
+  devices: int
+  size: int = 1
+
+  @property
+  def _groups(self) -> list[list[int]] | None:
+    if self.size == self.devices:
+      return None
+    return [list(range(t, t + self.size)) for t in range(0, self.devices, self.size)]
+
+  def _gather(self, x: jax.Array, axis: int) -> jax.Array:
+    return jax.lax.all_gather(x, self.axes, axis=axis, axis_index_groups=self._groups,
+                              tiled=True)
+
+  def _member(self):
+    return jax.lax.axis_index(self.axes) % self.size
+
+  def _rows(self, m: int) -> int:
+    return -(-m // self.size)
+
+  def _padded(self, a: jax.Array) -> jax.Array:
+    extra = self._rows(a.shape[-2]) * self.size - a.shape[-2]
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, extra), (0, 0)])
+
+  def sum(self, x):
+    return jnp.sum(self._gather(x[None], 0), axis=0)
+
+  def max(self, x):
+    return jnp.max(self._gather(x[None], 0), axis=0)
+
+  def sum_rows(self, x):
+    m = x.shape[-2]
+    block = jax.lax.psum_scatter(self._padded(x), self.axes, scatter_dimension=x.ndim - 2,
+                                 axis_index_groups=self._groups, tiled=True)
+    return block, self.gather_rows(block, m)
+
+  def row_block(self, a):
+    r = self._rows(a.shape[-2])
+    return jax.lax.dynamic_slice_in_dim(self._padded(a), self._member() * r, r,
+                                        axis=a.ndim - 2)
+
+  def gather_rows(self, block, rows):
+    return self._gather(block, block.ndim - 2)[..., :rows, :]
+
+
+ONE = Team()
+
+
+def _gram(x: jax.Array, team: Team = ONE) -> tuple[jax.Array, jax.Array]:
+  """X·Xᴴ for a (..., m, n) array (the conjugate transpose, so complex inputs work), summed
+  over the team's column blocks: (this member's row block of it, all of it)."""
+  return team.sum_rows(x @ jnp.conj(jnp.swapaxes(x, -1, -2)))
+
+
+def _precondition(x: jax.Array, kind: str, safety: float, eps: float, team: Team = ONE
                   ) -> tuple[jax.Array, jax.Array | None]:
   """Scales x so that every singular value is at most 1, in float32 (or wider).
 
@@ -36,7 +139,7 @@ def _precondition(x: jax.Array, kind: str, safety: float, eps: float
   to zero in float32, fp16 squares overflow or underflow, 1e37 squares overflow).
 
   * ``"frobenius"``: X / (‖X‖_F·(1 + safety) + eps).
-  * ``"spectral"``: X / (‖X‖₂ + eps) (an SVD per matrix: expensive).
+  * ``"spectral"``: X / (‖X‖₂ + eps), ‖X‖₂² the largest eigenvalue of X·Xᴴ.
   * ``"aol"``: D·X with D = diag(1/√max(Σⱼ|Aᵢⱼ|, eps)), A = X·Xᴴ ("almost orthogonal
     layer" row scaling; Boissin et al. 2025).
   * ``"schatten"``: X / √max(‖A‖_F, eps), the Schatten-4 norm (Grishina et al. 2025).
@@ -47,16 +150,17 @@ def _precondition(x: jax.Array, kind: str, safety: float, eps: float
   wide = jnp.promote_types(x.dtype, jnp.float32)
   real = jnp.finfo(wide).dtype
   x = x.astype(wide)
-  amax = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+  amax = team.max(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True))
   amax = jnp.where(amax > 0, amax, 1).astype(real)  # divided by: 1/amax can be subnormal
   if kind == "frobenius":  # one pass for the norm, one for the scaling
-    norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x / amax)), axis=(-2, -1), keepdims=True))
+    norm = jnp.sqrt(team.sum(jnp.sum(jnp.square(jnp.abs(x / amax)), axis=(-2, -1),
+                                     keepdims=True)))
     return x / amax / (norm * (1 + safety) + eps), None
   x = x / amax
+  _, gram = _gram(x, team)
   if kind == "spectral":
-    norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
-    return x / (norm + eps), None
-  gram = _gram(x)
+    top = jnp.linalg.eigvalsh(gram)[..., -1:, None]
+    return x / (jnp.sqrt(jnp.maximum(top, 0)).astype(real) + eps), None
   if kind == "aol":
     s = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1), eps))[..., :, None]
     return x * s, gram * s * jnp.swapaxes(s, -1, -2)
@@ -67,31 +171,35 @@ def _precondition(x: jax.Array, kind: str, safety: float, eps: float
   raise ValueError(f"Unknown preconditioning {kind!r}; expected one of {PRECONDITIONINGS}.")
 
 
-def _ns_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None
-                   ) -> jax.Array:
+def _ns_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None,
+                   team: Team = ONE) -> jax.Array:
   """Applies X ← a·X + (b·A + c·A²)·X, A = X·Xᴴ, once per row; x has m ≤ n.
 
-  ``gram``, when given, is the first step's A (the preconditioning computed it).
+  ``gram``, when given, is the first step's A (the preconditioning computed it). In a team
+  each member computes its block of rows of b·A + c·A², and the blocks are gathered.
   """
   rows = jnp.asarray(rows, dtype=x.dtype)
+  m = x.shape[-2]
 
-  def apply(x, gram, abc):
-    return abc[0] * x + (abc[1] * gram + abc[2] * (gram @ gram)) @ x
+  def apply(x, block, gram, abc):
+    poly = team.gather_rows(abc[1] * block + abc[2] * (block @ gram), m)
+    return abc[0] * x + poly @ x
 
   if gram is not None:
-    x, rows = apply(x, gram, rows[0]), rows[1:]
-  x, _ = jax.lax.scan(lambda x, abc: (apply(x, _gram(x), abc), None), x, rows)
+    x, rows = apply(x, team.row_block(gram), gram, rows[0]), rows[1:]
+  x, _ = jax.lax.scan(lambda x, abc: (apply(x, *_gram(x, team), abc), None), x, rows)
   return x
 
 
-def _gram_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None
-                     ) -> jax.Array:
+def _gram_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = None,
+                     team: Team = ONE) -> jax.Array:
   """The same iteration carried out on m × m matrices; x has m ≤ n.
 
   Every X_k is Q_k·X_0 with Q_k a polynomial in G = X_0·X_0ᵀ, so everything commutes:
   P_k = a·I + b·A_k + c·A_k², Q_{k+1} = P_k·Q_k, A_{k+1} = P_k·A_k·P_k. Only G and the final
   Q·X_0 touch the long side: 4·m²·n + 8·m³ per step instead of (4·m²·n + 2·m³) per step.
-  ``gram``, when given, is G (the preconditioning computed it).
+  ``gram``, when given, is G (the preconditioning computed it). In a team the m × m work is
+  done by every member (only G and Q·X_0 are split).
   """
   rows = jnp.asarray(rows, dtype=x.dtype)
   eye = jnp.eye(x.shape[-2], dtype=x.dtype)
@@ -104,7 +212,7 @@ def _gram_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = No
     p = poly(gram, abc)
     return (p @ q, p @ (gram @ p)), None
 
-  gram = _gram(x) if gram is None else gram
+  gram = _gram(x, team)[1] if gram is None else gram
   q = poly(gram, rows[0])  # Q_1 = P_0: no product with the identity.
   if len(rows) > 1:
     gram = q @ (gram @ q)
@@ -182,24 +290,45 @@ def newton_schulz(x: jax.Array, ns_coeffs: CoefficientsLike = "jordan", *,
                      f"{PRECONDITIONINGS}.")
   if x.size == 0:
     return x
+  _, transposed = ns_orientation(*x.shape[-2:])
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  x = orthogonalize_block(x, table, compute_dtype=compute_dtype,
+                          preconditioning=preconditioning, method=method,
+                          gram_restart=gram_restart)
+  return jnp.swapaxes(x, -1, -2) if transposed else x
+
+
+def orthogonalize_block(x: jax.Array, table: NSCoefficients, *, team: Team = ONE,
+                        compute_dtype=None, preconditioning: str = "frobenius",
+                        method: str = "auto", gram_restart: int = GRAM_RESTART
+                        ) -> jax.Array:
+  """Newton–Schulz of canonical matrices (m ≤ n), each held by ``team`` in column blocks.
+
+  Args:
+    x: (..., m, n / k): this member's columns of each matrix (all of them for a team of one).
+    table: the resolved coefficients.
+    team: the devices holding the matrices' column blocks (``Team()``: one device).
+    compute_dtype, preconditioning, method, gram_restart: as ``newton_schulz``'s.
+
+  Returns:
+    This member's columns of the result, in ``x``'s dtype.
+  """
   out_dtype = x.dtype
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
   if jnp.issubdtype(out_dtype, jnp.complexfloating):
     compute_dtype = jnp.promote_types(compute_dtype, out_dtype)
-  _, transposed = ns_orientation(*x.shape[-2:])
-  if transposed:
-    x = jnp.swapaxes(x, -1, -2)
-  x, gram = _precondition(x, preconditioning, table.safety, table.eps)
+  x, gram = _precondition(x, preconditioning, table.safety, table.eps, team)
   x = x.astype(compute_dtype)
   gram = None if gram is None else gram.astype(compute_dtype)
   rows = np.asarray(table.rows)
-  if uses_gram(method, x.shape[-2], x.shape[-1], table.steps, gram_restart, compute_dtype):
+  m, n = x.shape[-2], x.shape[-1] * team.size
+  if uses_gram(method, m, n, table.steps, gram_restart, compute_dtype, team.size):
     for start in range(0, len(rows), gram_restart):
-      x = _gram_iterations(x, rows[start:start + gram_restart], gram if start == 0 else None)
+      x = _gram_iterations(x, rows[start:start + gram_restart], gram if start == 0 else None,
+                           team)
   else:
-    x = _ns_iterations(x, rows, gram)
-  if transposed:
-    x = jnp.swapaxes(x, -1, -2)
+    x = _ns_iterations(x, rows, gram, team)
   return x.astype(out_dtype)
 
 
@@ -242,28 +371,33 @@ def _gram_chunk_flops(m: int, n: int, steps: int) -> int:
 
 
 def ns_flops(m: int, n: int, steps: int, gram: bool = False,
-             gram_restart: int = GRAM_RESTART) -> int:
-  """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side m ≤ n).
+             gram_restart: int = GRAM_RESTART, team: int = 1) -> int:
+  """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side m ≤ n), on
+  each member of a team of ``team`` devices (n divisible by it).
 
-  Standard: (4·m²·n + 2·m³) per step. Gram: see ``_gram_iterations``.
+  Standard: 4·m²·n/k + 2·⌈m/k⌉·m² per step (the rows of the m × m polynomial split too).
+  Gram: see ``_gram_iterations``; in a team only G and Q·X₀ are split.
 
   Examples:
     >>> import optax_muon
     >>> optax_muon.ns_flops(256, 1024, 5)  # 5·(4·256²·1024 + 2·256³)
     1509949440
+    >>> optax_muon.ns_flops(256, 1024, 5, team=4)  # a quarter on each of 4 devices
+    377487360
   """
   (m, n), _ = ns_orientation(m, n)
+  n //= team
   if not gram:
-    return steps * (4 * m * m * n + 2 * m**3)
+    return steps * (4 * m * m * n + 2 * -(-m // team) * m * m)
   chunks = [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]
   return sum(_gram_chunk_flops(m, n, k) for k in chunks)
 
 
 def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_RESTART,
-              compute_dtype=jnp.float32) -> bool:
-  """Whether ``method`` runs the Gram iteration on an m × n matrix.
+              compute_dtype=jnp.float32, team: int = 1) -> bool:
+  """Whether ``method`` runs the Gram iteration on an m × n matrix (on a team of ``team``).
 
-  ``"auto"`` chooses it where it needs fewer FLOPs and the products run in float32 or wider
+  ``"auto"`` chooses it where it needs fewer FLOPs per device and the products run in float32 or wider
   (in bf16 the Gram matrix's rounding error is squared into the result: measured 3e-2 vs
   1e-2 for the standard iteration).
 
@@ -277,4 +411,5 @@ def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_
   if method != "auto":
     return method == "gram"
   return (jnp.finfo(compute_dtype).bits >= 32  # complex64's parts are 32-bit
-          and ns_flops(m, n, steps, True, gram_restart) < ns_flops(m, n, steps))
+          and ns_flops(m, n, steps, True, gram_restart, team)
+          < ns_flops(m, n, steps, team=team))
