@@ -8,18 +8,22 @@ mesh-axis name) under ``jax.shard_map``, or directly inside a user's own ``shard
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program
+from optax_muon.newton_schulz import MeshTeam
+from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program, TeamRound
 from optax_muon.spec import TreeSpec
 
-# Newton–Schulz of a (batch, m, n) stack of matrices with m ≤ n.
-NSFunction = Callable[[jax.Array], jax.Array]
+# Newton–Schulz of a (batch, m, n) stack of canonical matrices (m ≤ n), or, with
+# ``team=``, of each team member's columns of them (``newton_schulz.orthogonalize_block``).
+NSFunction = Callable[..., jax.Array]
 
 
 def _local_matrices(p: LeafPlacement, block: jax.Array) -> jax.Array:
@@ -35,8 +39,26 @@ def _local_block(p: LeafPlacement, pieces: jax.Array) -> jax.Array:
   return jnp.transpose(shaped, tuple(np.argsort(perm)))
 
 
-def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array) -> jax.Array:
-  """(g, S, L) pieces from the g devices along X → (S, m, n) canonical matrices."""
+def _member_view(p: LeafPlacement, round_: TeamRound) -> LeafPlacement:
+  """The leaf as one team member sees it: 1/k of every local block along the split dim."""
+  shape = list(p.layout.shape)
+  shape[round_.split_dim] //= round_.size
+  return dataclasses.replace(p, layout=dataclasses.replace(p.layout, shape=tuple(shape)))
+
+
+def _member_slice(p: LeafPlacement, round_: TeamRound, member: int) -> np.ndarray:
+  """Where member ``member``'s block lies in a flattened local piece of ``p``."""
+  index = np.arange(math.prod(p.piece_shape)).reshape(p.piece_shape)
+  axis = p.matrix_dims.index(round_.split_dim)
+  return np.split(index, round_.size, axis=axis)[member].reshape(-1)
+
+
+def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array,
+              transposed: bool | None = None) -> jax.Array:
+  """(g, S, L) pieces from the g devices along X → (S, m, n) canonical matrices.
+
+  ``transposed`` overrides the layout's orientation (a team member's view keeps the
+  orientation of the whole matrix)."""
   x_axes, slots = group.exchange_axes, pieces.shape[1]
   t = pieces.reshape(*(mesh[a] for a in x_axes), slots, *p.piece_shape)
   order = [len(x_axes)]
@@ -46,13 +68,15 @@ def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array) -> 
   grouped = p.reduction_positions + p.output_positions
   t = jnp.transpose(t, (0, *(1 + k for k in grouped)))
   t = t.reshape(slots, p.layout.n_in, p.layout.n_out)
-  return jnp.swapaxes(t, 1, 2) if p.layout.transposed else t
+  transposed = p.layout.transposed if transposed is None else transposed
+  return jnp.swapaxes(t, 1, 2) if transposed else t
 
 
-def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array) -> jax.Array:
+def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array,
+                 transposed: bool | None = None) -> jax.Array:
   """Inverse of ``_assemble``: (S, m, n) → (g, S, L)."""
   slots = mats.shape[0]
-  if p.layout.transposed:
+  if p.layout.transposed if transposed is None else transposed:
     mats = jnp.swapaxes(mats, 1, 2)
   grouped = p.reduction_positions + p.output_positions
   dims = p.matrix_dims
@@ -124,22 +148,31 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: N
   return out
 
 
-def _buffer_index(ex: Exchange, g: int) -> np.ndarray:
+def _buffer_index(ex: Exchange, plan: Plan, g: int) -> np.ndarray:
   """Where each element of the (workers, chunk) buffer comes from.
 
-  Row w holds this device's pieces of worker w's matrices, in the order its program runs
-  them, then padding. The index is into the buckets' stacks of local pieces (bucket order,
-  each (K, L) flattened, concatenated); padding points one past the end, at a zero.
+  Row w holds this device's blocks of the matrices of worker w's team in each round (the
+  same size for every worker), then its pieces of worker w's whole matrices, in the order
+  its program runs them, then padding. The index is into the buckets' stacks of local
+  pieces (bucket order, each (K, L) flattened, concatenated); padding (and a round's
+  padding matrices) points one past the end, at a zero.
   """
   starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
-  index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int32)
+  index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int64)
   for w, owned in enumerate(ex.owned):
-    parts = [start + (np.asarray(mine, np.int64)[:, None] * b.piece_size(g)
-                      + np.arange(b.piece_size(g))).reshape(-1)
-             for mine, b, start in zip(owned, ex.buckets, starts)]
+    parts = []
+    for r in ex.rounds:
+      size = ex.buckets[r.bucket].piece_size(g)
+      block = _member_slice(plan.leaves[r.leaf], r, w % r.size)
+      for j in r.matrices[w // r.size]:
+        parts.append(starts[r.bucket] + j * size + block if j >= 0
+                     else np.full(block.size, starts[-1]))
+    parts += [start + (np.asarray(mine, np.int64)[:, None] * b.piece_size(g)
+                       + np.arange(b.piece_size(g))).reshape(-1)
+              for mine, b, start in zip(owned, ex.buckets, starts)]
     row = np.concatenate(parts)
     index[w, :row.size] = row
-  return index
+  return index.astype(np.int32)
 
 
 def _take_rows(x: jax.Array, order: np.ndarray) -> jax.Array:
@@ -163,6 +196,25 @@ def _owner_program(ex: Exchange, group: Group, plan: Plan, ns: NSFunction, progr
   return jnp.pad(reply, ((0, 0), (0, received.shape[1] - reply.shape[1])))
 
 
+def _run_rounds(ex: Exchange, group: Group, plan: Plan, ns: NSFunction,
+                received: jax.Array) -> jax.Array:
+  """Every worker's part in the rounds: (g, R) received blocks → (g, R) blocks of the
+  results. The same program on every worker; the teams' collectives run over X (and R
+  when replicas split the work), grouped by team."""
+  mesh, g, out, offset = dict(plan.mesh_shape), group.exchange_size, [], 0
+  axes = group.exchange_axes + (group.replica_axes if group.split else ())
+  for r in ex.rounds:
+    bucket, leaf = ex.buckets[r.bucket], plan.leaves[r.leaf]
+    view, size = _member_view(leaf, r), r.per_team * r.piece_size(ex.buckets[r.bucket], g)
+    blocks = received[:, offset:offset + size].reshape(g, r.per_team, -1)
+    mats = _assemble(view, group, mesh, blocks.astype(bucket.dtype), leaf.layout.transposed)
+    result = ns(mats, team=MeshTeam(axes, devices=group.workers, size=r.size))
+    out.append(_disassemble(view, group, mesh, result, leaf.layout.transposed)
+               .astype(received.dtype).reshape(g, -1))
+    offset += size
+  return jnp.concatenate(out, axis=1)
+
+
 def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
                   ex: Exchange, out: list) -> None:
   """Orthogonalizes the matrices of ``ex`` with one all-to-all each way; fills ``out``."""
@@ -180,7 +232,7 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
     wire = jnp.dtype(plan.wire_dtype or dtype)
     replicas = workers // g
     rep = _index(group.replica_axes) if group.split else 0
-    index = _buffer_index(ex, g)  # (workers, chunk)
+    index = _buffer_index(ex, plan, g)  # (workers, chunk)
     # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
     # busiest worker's; replicas hold the same data, so each sends its own workers' only.
     flat = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
@@ -190,28 +242,36 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
     # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
     if g > 1:
       buffer = _all_to_all(buffer, x_axes)
-    # 4. Whole matrices, NS, pieces again: each distinct program is one switch branch.
-    branches = [functools.partial(_owner_program, ex, group, plan, ns, p)
-                for p in ex.programs]
-    if len(branches) == 1:
-      buffer = branches[0](buffer)
-    else:
-      worker = _index(x_axes) * replicas + rep
-      buffer = jax.lax.switch(jnp.asarray(ex.program_of, np.int32)[worker], branches, buffer)
-    # 5. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
+    # 4. The rounds: each team member's columns, NS together with its team (the same
+    # program on every worker).
+    split = ex.round_elements(g)
+    parts = [_run_rounds(ex, group, plan, ns, buffer[:, :split])] if split else []
+    # 5. Whole matrices, NS, pieces again: each distinct program is one switch branch.
+    whole = buffer[:, split:]
+    if whole.shape[1]:
+      branches = [functools.partial(_owner_program, ex, group, plan, ns, p)
+                  for p in ex.programs]
+      if len(branches) == 1:
+        whole = branches[0](whole)
+      else:
+        worker = _index(x_axes) * replicas + rep
+        whole = jax.lax.switch(jnp.asarray(ex.program_of, np.int32)[worker], branches, whole)
+      parts.append(whole)
+    buffer = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+    # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
     # replicas' results are all-gathered.
     if g > 1:
       buffer = _all_to_all(buffer, x_axes)
     if group.split:
       buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
-    # 6. Every piece back to its place in the stacks: the inverse of step 2's gather.
+    # 7. Every piece back to its place in the stacks: the inverse of step 2's gather.
     valid = index < flat.shape[0] - 1
     inverse = np.empty(flat.shape[0] - 1, np.int32)
     inverse[index[valid]] = np.flatnonzero(valid)
     pieces = buffer.reshape(-1)[inverse]
     starts = np.cumsum([0] + [s.size for s in stacks])
     rows = [pieces[a:b].reshape(s.shape) for s, a, b in zip(stacks, starts[:-1], starts[1:])]
-  # 7. The leaves' local blocks.
+  # 8. The leaves' local blocks.
   for b, r in zip(ex.buckets, rows):
     start = 0
     for i in b.members:

@@ -393,6 +393,28 @@ def ns_flops(m: int, n: int, steps: int, gram: bool = False,
   return sum(_gram_chunk_flops(m, n, k) for k in chunks)
 
 
+def team_collectives(m: int, n: int, steps: int, team: int, gram: bool = False,
+                     gram_restart: int = GRAM_RESTART) -> tuple[tuple[int, bool], ...]:
+  """The collectives one member of a team of ``team`` runs in NS of one m × n matrix with
+  the Frobenius preconditioning: per collective, (elements it receives, whether it sits in
+  the NS loop). A batch of matrices runs the same collectives, each carrying all of them.
+
+  Standard: max and sum of the norm (k − 1 each), then per step the Gram matrix's
+  reduce-scatter and all-gather and the polynomial's all-gather ((k − 1)·⌈m/k⌉·m each), in
+  the loop. Gram: max and sum, then a reduce-scatter and an all-gather per restart.
+  """
+  (m, _), _ = ns_orientation(m, n)
+  if team == 1:
+    return ()
+  block = (team - 1) * -(-m // team) * m
+  out = [(team - 1, False), (team - 1, False)]
+  if gram:
+    out += [(block, False)] * (2 * len(range(0, steps, gram_restart)))
+  else:
+    out += [(block, True)] * (3 * steps)
+  return tuple(out)
+
+
 def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_RESTART,
               compute_dtype=jnp.float32, team: int = 1) -> bool:
   """Whether ``method`` runs the Gram iteration on an m × n matrix (on a team of ``team``).

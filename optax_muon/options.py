@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon import tree_utils
-from optax_muon.newton_schulz import GRAM_RESTART, METHODS, ns_flops, ns_orientation, uses_gram
+from optax_muon.cost_model import CostModel
+from optax_muon.newton_schulz import (GRAM_RESTART, METHODS, ns_flops, ns_orientation,
+                                      team_collectives, uses_gram)
 
 REPLICA_POLICIES = ("split", "redundant")
 EXCHANGES = ("combined", "per_shape")
@@ -90,12 +92,38 @@ class NSOptions:
       raise ValueError(f"NSOptions.gram_restart must be a positive integer, got "
                        f"{self.gram_restart!r}.")
 
-  def flops(self, m: int, n: int, dtype: Any, steps: int) -> int:
-    """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these options."""
+  def flops(self, m: int, n: int, dtype: Any, steps: int, team: int = 1) -> int:
+    """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these options, on
+    each member of a team of ``team`` devices."""
     (m, n), _ = ns_orientation(m, n)
     gram = uses_gram(self.method, m, n, steps, self.gram_restart,
-                     self.compute_dtype or jnp.dtype(dtype))
-    return ns_flops(m, n, steps, gram, self.gram_restart)
+                     self.compute_dtype or jnp.dtype(dtype), team)
+    return ns_flops(m, n, steps, gram, self.gram_restart, team)
+
+  def team_cost(self, m: int, n: int, dtype: Any, team: int, steps: int) -> TeamCost:
+    """What one member of a team of ``team`` devices spends on one m × n matrix."""
+    (m, n), _ = ns_orientation(m, n)
+    compute = jnp.dtype(self.compute_dtype or dtype)
+    gram = uses_gram(self.method, m, n, steps, self.gram_restart, compute, team)
+    collectives = team_collectives(m, n, steps, team, gram, self.gram_restart)
+    return TeamCost(ns_flops(m, n, steps, gram, self.gram_restart, team),
+                    tuple(e * compute.itemsize for e, _ in collectives),
+                    sum(in_loop for _, in_loop in collectives) // steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamCost:
+  """One team member's share of NS of one matrix.
+
+  Attributes:
+    flops: its NS FLOPs.
+    collective_bytes: per collective it runs, the bytes it receives.
+    loop_collectives: how many of those run in each step of the NS loop.
+  """
+
+  flops: int
+  collective_bytes: tuple[int, ...]
+  loop_collectives: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +139,10 @@ class ShardingOptions:
       axes, owners balanced over every shape at once (on FSDP and FSDP × TP meshes one for
       the whole tree); ``"per_shape"``: one each way per same-shape set of matrices, each
       spread evenly, so that only one set's buffers are alive at a time (less balance).
+    cost_model: how fast the devices compute and communicate (``CostModel``); the plan
+      splits a matrix over a team of devices where that shortens the modelled critical
+      path of the whole tree. ``None``: the profile of ``jax.devices()`` (see
+      ``optax_muon.cost_model.PROFILES``).
 
   Examples:
     >>> import optax_muon
@@ -121,9 +153,13 @@ class ShardingOptions:
   replica_policy: str = "split"
   wire_dtype: Any = None
   exchange: str = "combined"
+  cost_model: CostModel | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "wire_dtype", _dtype_or_none(self.wire_dtype))
+    if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+      raise ValueError(f"ShardingOptions.cost_model must be an optax_muon.CostModel or None, "
+                       f"got {self.cost_model!r}.")
     _choice("ShardingOptions", "replica_policy", self.replica_policy, REPLICA_POLICIES)
     _choice("ShardingOptions", "exchange", self.exchange, EXCHANGES)
 

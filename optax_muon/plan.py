@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from optax_muon.cost_model import CostModel, default_cost_model
 from optax_muon.layout import MatrixLayout
-from optax_muon.options import ShardingOptions
+from optax_muon.options import ShardingOptions, TeamCost
 from optax_muon.sharding import LeafSharding
 
 
@@ -133,31 +134,92 @@ Program = tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
+class TeamRound:
+  """Matrices of one kind that teams of k workers orthogonalize together (group NS).
+
+  Workers [t·k, (t+1)·k) form team t; member i receives, from every device along X, the
+  i-th of k equal blocks of its piece along ``split_dim``, so it holds all m rows and n/k of
+  the columns of each of its team's matrices. Every team runs the same program.
+
+  Attributes:
+    bucket: index into the exchange's buckets.
+    leaf: the representative leaf (every matrix of the round is cut into pieces its way).
+    split_dim: the leaf dimension whose local extent is split among the members.
+    size: k.
+    matrices: per team, the local matrices (indices into the bucket) it orthogonalizes;
+      −1 pads a team with fewer (a zero matrix).
+    cost: one member's share of one matrix: FLOPs, collectives, collectives per loop step.
+  """
+
+  bucket: int
+  leaf: int
+  split_dim: int
+  size: int
+  matrices: tuple[tuple[int, ...], ...]
+  cost: TeamCost
+
+  @property
+  def per_team(self) -> int:
+    return len(self.matrices[0])
+
+  def piece_size(self, bucket: Bucket, exchange_size: int) -> int:
+    """Elements of one matrix each device sends to each member."""
+    return bucket.piece_size(exchange_size) // self.size
+
+  @property
+  def flops(self) -> int:
+    """NS FLOPs of every device of the group in this round."""
+    return self.per_team * self.cost.flops
+
+  def seconds(self, model: CostModel) -> float:
+    """Modelled time of the round: its FLOPs and its collectives (each carrying all of the
+    team's matrices)."""
+    return model.compute_seconds(self.flops) + sum(
+        model.collective_seconds(self.per_team * b) for b in self.cost.collective_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Exchange:
-  """Buckets that travel in one all-to-all each way, and the owner of each of their matrices.
+  """Buckets that travel in one all-to-all each way, and who orthogonalizes their matrices.
 
   Attributes:
     buckets: the buckets.
     owned: per worker, per bucket, the local matrices (indices into the bucket) it
-      orthogonalizes, in the order its program runs them.
+      orthogonalizes whole, in the order its program runs them.
     programs: the distinct programs.
     program_of: per worker, its index into ``programs``.
+    rounds: the matrices split over teams of workers; every worker takes part in each.
   """
 
   buckets: tuple[Bucket, ...]
   owned: tuple[tuple[tuple[int, ...], ...], ...]
   programs: tuple[Program, ...]
   program_of: tuple[int, ...]
+  rounds: tuple[TeamRound, ...] = ()
+
+  def round_elements(self, exchange_size: int) -> int:
+    """Elements each device sends each worker for the rounds (the same for every worker)."""
+    return sum(r.per_team * r.piece_size(self.buckets[r.bucket], exchange_size)
+               for r in self.rounds)
+
+  def owned_elements(self, exchange_size: int) -> list[int]:
+    """Per worker, the elements each device sends it: the rounds, then its whole matrices."""
+    rounds = self.round_elements(exchange_size)
+    return [rounds + sum(len(mine) * b.piece_size(exchange_size)
+                         for mine, b in zip(owned, self.buckets)) for owned in self.owned]
 
   def chunk(self, exchange_size: int) -> int:
     """Elements each device sends to each peer: the busiest worker's pieces."""
-    return max(sum(len(mine) * b.piece_size(exchange_size)
-                   for mine, b in zip(owned, self.buckets)) for owned in self.owned)
+    return max(self.owned_elements(exchange_size))
 
   def program_flops(self) -> tuple[int, ...]:
-    """NS FLOPs of each program."""
+    """NS FLOPs of each program (the whole matrices)."""
     return tuple(sum(count * b.flops for runs, b in zip(p, self.buckets) for _, count in runs)
                  for p in self.programs)
+
+  def round_flops(self) -> int:
+    """NS FLOPs every worker spends in the rounds."""
+    return sum(r.flops for r in self.rounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +281,7 @@ class Plan:
       ⌈K/workers⌉ matrices per worker) so that its chunk stays small; less temp memory (one
       bucket's buffers alive at a time), less balance.
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
+    cost_model: the model the plan was chosen by (``None``: whole matrices only).
   """
 
   mesh_shape: tuple[tuple[str, int], ...]
@@ -226,6 +289,7 @@ class Plan:
   groups: tuple[Group, ...]
   exchange: str = "combined"
   wire_dtype: Any = None
+  cost_model: CostModel | None = None
 
   @property
   def device_count(self) -> int:
@@ -242,7 +306,7 @@ class Plan:
       worker = group.worker_of_devices(self.mesh_shape)
       for ex in group.exchanges:
         flops = np.asarray(ex.program_flops(), np.int64)[np.asarray(ex.program_of)]
-        loads = loads + flops[worker]
+        loads = loads + flops[worker] + ex.round_flops()
     return loads
 
   def device_received_bytes(self, ragged: bool = False) -> np.ndarray:
@@ -268,8 +332,7 @@ class Plan:
         wire = self.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
         itemsize = np.dtype(wire).itemsize
         # Elements one device sends each worker: its piece of every matrix the worker owns.
-        owned = np.array([sum(len(mine) * b.piece_size(g) for mine, b in zip(o, ex.buckets))
-                          for o in ex.owned], np.float64)
+        owned = np.array(ex.owned_elements(g), np.float64)
         if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
           per_worker = (g - 1) * owned + owned.sum() - owned
         else:
@@ -288,6 +351,36 @@ class Plan:
               for ex in group.exchanges if len(ex.programs) > 1]
     return out
 
+  def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
+    """Modelled NS and exchange time of each device per step, as an array of the mesh's
+    shape: its whole matrices' FLOPs, the rounds it takes part in (FLOPs and team
+    collectives), and its all-to-alls (and replica all-gathers).
+
+    Args:
+      model: the cost model; ``None`` takes the plan's (or, if none, the default profile).
+    """
+    model = model or self.cost_model or default_cost_model()
+    seconds = self.device_ns_flops() / model.flops_per_second
+    seconds = seconds + self.device_received_bytes() / model.bytes_per_second
+    for group in self.groups:
+      if group.workers == 1:
+        continue
+      for ex in group.exchanges:
+        seconds = seconds + (2 * (group.exchange_size > 1) + group.split) * (
+            model.collective_latency) + sum(
+                r.seconds(model) - model.compute_seconds(r.flops) for r in ex.rounds)
+    return seconds
+
+  def critical_seconds(self, model: CostModel | None = None) -> float:
+    """Modelled time of the busiest device (see ``device_seconds``)."""
+    return float(self.device_seconds(model).max())
+
+  def team_size(self, leaf: int) -> int:
+    """The largest team any matrix of leaf ``leaf`` is orthogonalized by (1: whole)."""
+    return max([r.size for g in self.groups for ex in g.exchanges for r in ex.rounds
+                if leaf in ex.buckets[r.bucket].members
+                and self.leaves[leaf].signature == self.leaves[r.leaf].signature] or [1])
+
   def critical_ns_flops(self) -> int:
     """NS FLOPs of the busiest device."""
     return int(self.device_ns_flops().max())
@@ -301,19 +394,22 @@ class Plan:
 def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None],
                cost: Callable[[int, int, Any], int],
                options: ShardingOptions = ShardingOptions(), *, stack: bool = True,
-               weigh_bytes: bool = True) -> Plan:
+               weigh_bytes: bool = True,
+               team_cost: Callable[[int, int, Any, int], TeamCost] | None = None) -> Plan:
   """Builds the plan for the Muon leaves.
 
   Args:
     layouts: the leaves' global layouts.
     shardings: the leaves' shardings (all on one mesh), ``None`` for a leaf without.
     cost: the NS FLOPs of one (m, n) matrix of a dtype, ``cost(m, n, dtype)``.
-    options: the replica policy, the exchange and the wire dtype (see the module
-      docstring and ``Plan``).
+    options: the replica policy, the exchange, the wire dtype and the cost model (see the
+      module docstring and ``Plan``).
     stack: put same-shape matrices of a group into one bucket (one batched NS call per
       worker); else every leaf is a bucket of its own.
     weigh_bytes: balance each worker's received bytes along with the FLOPs (``False``:
       FLOPs only, plain LPT, the reference the benchmark compares against).
+    team_cost: one team member's share of one matrix, ``team_cost(m, n, dtype, k)``;
+      ``None``: whole matrices only.
 
   Returns:
     The ``Plan``.
@@ -359,12 +455,106 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
     groups.append(Group(exchange_axes, replica_axes, size(exchange_axes), r,
                         replica_policy == "split" and r > 1, sharded, buckets, ()))
     units.append([buckets] if exchange == "combined" else [(b,) for b in buckets])
-  owners = _balance(groups, units, mesh_shape, exchange == "per_shape", weigh_bytes)
-  groups = [dataclasses.replace(group, exchanges=tuple(
-      _make_exchange(unit, owner, placements, group.workers)
-      for unit, owner in zip(group_units, group_owners)))
-            for group, group_units, group_owners in zip(groups, units, owners)]
-  return Plan(mesh_shape, tuple(placements), tuple(groups), exchange, options.wire_dtype)
+
+  def plan_with(rounds: dict) -> Plan:
+    owners = _balance(groups, units, mesh_shape, exchange == "per_shape", weigh_bytes, rounds)
+    done = [dataclasses.replace(group, exchanges=tuple(
+        _make_exchange(unit, owner, placements, group.workers, rounds.get((k, e), ()))
+        for e, (unit, owner) in enumerate(zip(group_units, group_owners))))
+            for k, (group, group_units, group_owners) in enumerate(zip(groups, units, owners))]
+    return Plan(mesh_shape, tuple(placements), tuple(done), exchange, options.wire_dtype,
+                model)
+
+  model = None
+  if team_cost is not None and any(g.sharded and g.workers > 1 for g in groups):
+    model = options.cost_model or default_cost_model()
+  whole = plan_with({})
+  if model is None:
+    return whole
+  return _choose_teams(whole, plan_with, groups, units, placements, team_cost, model)
+
+
+# A split must shorten the modelled critical path by more than this fraction to be taken.
+_SPLIT_MARGIN = 0.02
+
+
+def _choose_teams(whole: Plan, plan_with: Callable[[dict], Plan], groups: list[Group],
+                  units: list[list[tuple[Bucket, ...]]], placements: list[LeafPlacement],
+                  team_cost: Callable[[int, int, Any, int], TeamCost],
+                  model: CostModel) -> Plan:
+  """Which kinds of matrices teams orthogonalize, and how large the teams are.
+
+  A kind is the matrices of one bucket whose pieces are cut the same way. Each kind gets
+  the team size k (a divisor of its group's workers, splitting one of its long-side
+  dimensions locally) that minimizes its round's modelled time. The kinds are split in
+  decreasing order of their matrices' NS time, and the plan keeps the prefix of that order
+  whose whole-tree critical path (``Plan.critical_seconds``) is shortest; whole matrices
+  are kept unless splitting shortens it by more than ``_SPLIT_MARGIN``.
+  """
+  candidates = []
+  for k, (group, group_units) in enumerate(zip(groups, units)):
+    if not group.sharded or group.workers == 1:
+      continue
+    for e, buckets in enumerate(group_units):
+      for b, bucket in enumerate(buckets):
+        start = 0
+        kinds: dict[tuple, list[int]] = {}
+        for i in bucket.members:
+          batch = placements[i].local_batch
+          kinds.setdefault(placements[i].signature, []).extend(range(start, start + batch))
+          start += batch
+        for matrices in kinds.values():
+          leaf = next(i for i in bucket.members
+                      if placements[i].signature in kinds
+                      and kinds[placements[i].signature] is matrices)
+          best = _best_round(placements[leaf], leaf, b, bucket, matrices, group.workers,
+                             team_cost, model)
+          if best is not None:
+            candidates.append((-bucket.flops, len(candidates), (k, e), best))
+  candidates.sort(key=lambda c: c[:2])
+  best_plan, best_seconds = whole, whole.critical_seconds(model)
+  limit = best_seconds * (1 - _SPLIT_MARGIN)
+  rounds: dict[tuple, tuple[TeamRound, ...]] = {}
+  together = 0.0  # a round occupies every device of its group: a bound on the critical path
+  for _, _, where, round_ in candidates:
+    together += round_.seconds(model)
+    if together >= min(best_seconds, limit):
+      break
+    rounds[where] = rounds.get(where, ()) + (round_,)
+    plan = plan_with(dict(rounds))
+    seconds = plan.critical_seconds(model)
+    if seconds < min(best_seconds, limit):
+      best_plan, best_seconds = plan, seconds
+  return best_plan
+
+
+def _best_round(p: LeafPlacement, leaf: int, bucket_index: int, bucket: Bucket,
+                matrices: list[int], workers: int,
+                team_cost: Callable[[int, int, Any, int], TeamCost],
+                model: CostModel) -> TeamRound | None:
+  """The fastest round for ``matrices`` (one kind of one bucket) over team sizes, or None if
+  no team size divides a long-side dimension of the local block and the workers."""
+  layout = p.layout
+  long_side = layout.reduction_axes if layout.transposed else layout.output_axes
+  best, best_seconds = None, math.inf
+  for k in range(2, workers + 1):
+    if workers % k:
+      continue
+    dims = [d for d in long_side if p.local_shape[d] % k == 0]
+    if not dims:
+      continue
+    dim = max(dims, key=lambda d: p.local_shape[d])
+    teams = workers // k
+    per_team = -(-len(matrices) // teams)
+    padded = list(matrices) + [-1] * (teams * per_team - len(matrices))
+    round_ = TeamRound(bucket_index, leaf, dim, k,
+                       tuple(tuple(padded[t * per_team:(t + 1) * per_team])
+                             for t in range(teams)),
+                       team_cost(*bucket.shape, bucket.dtype, k))
+    seconds = round_.seconds(model)
+    if seconds < best_seconds:
+      best, best_seconds = round_, seconds
+  return best
 
 
 @dataclasses.dataclass
@@ -375,6 +565,7 @@ class _Matrices:
     worker: the worker index of every device (flattened mesh).
     costs, elements, kinds: per local matrix (buckets concatenated): NS FLOPs, size, bucket.
     caps: per bucket, the most matrices one worker may own.
+    index: per local matrix, (bucket, index in the bucket).
     owner: per local matrix, the chosen worker.
     owned_elements: per worker, the elements it owns (its chunk).
     counts: (workers, buckets) matrices owned.
@@ -388,6 +579,7 @@ class _Matrices:
   owner: list[int]
   owned_elements: np.ndarray
   counts: np.ndarray
+  index: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
   @property
   def fair_elements(self) -> float:
@@ -395,7 +587,8 @@ class _Matrices:
 
 
 def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_shape: tuple,
-             spread: bool, weigh_bytes: bool) -> list[list[list[int]]]:
+             spread: bool, weigh_bytes: bool, rounds: dict | None = None
+             ) -> list[list[list[int]]]:
   """Owners of every local matrix of every exchange: LPT over the whole tree.
 
   Matrices in decreasing order of NS FLOPs; each goes to the worker of its group whose
@@ -409,26 +602,38 @@ def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_sh
     mesh_shape: the mesh.
     spread: cap each bucket at ⌈K / workers⌉ matrices per worker.
     weigh_bytes: weigh the owned elements as well as the FLOPs.
+    rounds: per (group, exchange), the ``TeamRound``s: their matrices get no owner, their
+      FLOPs load every device of the group.
 
   Returns:
-    Per group, per exchange, the worker of each local matrix (buckets concatenated).
+    Per group, per exchange, the worker of each local matrix (buckets concatenated); −1 for
+    the matrices of rounds.
   """
+  rounds = rounds or {}
   loads = np.zeros(math.prod(size for _, size in mesh_shape), np.float64)
   exchanges, items = [], []
   for k, (group, group_units) in enumerate(zip(groups, units)):
     worker = group.worker_of_devices(mesh_shape).reshape(-1)
-    for buckets in group_units:
+    for e, buckets in enumerate(group_units):
+      split = {(r.bucket, j) for r in rounds.get((k, e), ()) for team in r.matrices
+               for j in team if j >= 0}
+      loads += sum(r.flops for r in rounds.get((k, e), ()))
       m = _Matrices(worker, [], [], [], [], [], np.zeros(group.workers),
                     np.zeros((group.workers, len(buckets))))
+      whole = []
       for kind, b in enumerate(buckets):
-        m.costs += [b.flops] * b.matrices
-        m.elements += [b.shape[0] * b.shape[1]] * b.matrices
-        m.kinds += [kind] * b.matrices
-        m.caps.append(-(-b.matrices // group.workers) if spread else math.inf)
+        mine = [j for j in range(b.matrices) if (kind, j) not in split]
+        whole += [len(m.costs) + j for j in range(len(mine))]
+        m.costs += [b.flops] * len(mine)
+        m.elements += [b.shape[0] * b.shape[1]] * len(mine)
+        m.kinds += [kind] * len(mine)
+        m.caps.append(-(-len(mine) // group.workers) if spread else math.inf)
+        m.index += [(kind, j) for j in mine]
       m.owner = [0] * len(m.costs)
       items += [(-c, -e, len(exchanges), j) for j, (c, e) in enumerate(zip(m.costs, m.elements))]
       exchanges.append((k, m))
-  total = sum(sum(m.costs) * loads.size / len(m.owned_elements) for _, m in exchanges)
+  total = loads.sum() + sum(sum(m.costs) * loads.size / len(m.owned_elements)
+                            for _, m in exchanges)
   fair_flops = max([total / loads.size, 1] + [c for _, m in exchanges for c in m.costs])
   for _, _, e, j in sorted(items):
     m = exchanges[e][1]
@@ -450,8 +655,12 @@ def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_sh
     for _, m in exchanges:
       _fewer_programs(m, loads)
   out = [[] for _ in groups]
-  for k, m in exchanges:
-    out[k].append(m.owner)
+  for (k, m), buckets in zip(exchanges, [b for u in units for b in u]):
+    starts = np.cumsum([0] + [b.matrices for b in buckets])
+    owner = [-1] * int(starts[-1])
+    for (kind, j), w in zip(m.index, m.owner):
+      owner[starts[kind] + j] = w
+    out[k].append(owner)
   return out
 
 
@@ -480,8 +689,8 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
     return
   kinds = m.counts.shape[1]
   totals = [int(t) for t in m.counts.sum(axis=0)]
-  cost = [next(c for c, k in zip(m.costs, m.kinds) if k == b) for b in range(kinds)]
-  size = [next(e for e, k in zip(m.elements, m.kinds) if k == b) for b in range(kinds)]
+  cost = [next((c for c, k in zip(m.costs, m.kinds) if k == b), 0) for b in range(kinds)]
+  size = [next((e for e, k in zip(m.elements, m.kinds) if k == b), 0) for b in range(kinds)]
   load_cap = float(loads.max()) - base[0]
   size_cap = float(m.owned_elements.max())
   best = None
@@ -534,8 +743,10 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
 
 
 def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
-                   leaves: list[LeafPlacement], workers: int) -> Exchange:
-  """The ``Exchange`` of ``buckets`` given the worker of each local matrix."""
+                   leaves: list[LeafPlacement], workers: int,
+                   rounds: tuple[TeamRound, ...] = ()) -> Exchange:
+  """The ``Exchange`` of ``buckets`` given the worker of each local matrix (−1: in one of
+  ``rounds``)."""
   owned = [[[] for _ in buckets] for _ in range(workers)]
   start = 0
   for k, b in enumerate(buckets):
@@ -544,7 +755,8 @@ def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
     order = sorted(range(b.matrices),
                    key=lambda j: (signatures.index(leaves[leaf_of[j]].signature), j))
     for j in order:
-      owned[owner[start + j]][k].append(j)
+      if owner[start + j] >= 0:
+        owned[owner[start + j]][k].append(j)
     start += b.matrices
   programs, program_of = [], []
   for mine in owned:
@@ -567,4 +779,4 @@ def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
       programs.append(program)
     program_of.append(programs.index(program))
   return Exchange(buckets, tuple(tuple(tuple(m) for m in mine) for mine in owned),
-                  tuple(programs), tuple(program_of))
+                  tuple(programs), tuple(program_of), rounds)

@@ -174,8 +174,10 @@ class TreeSpec:
       return None
     muon = [self.leaves[self.muon_positions[k]] for k in self.planned]
     cost = functools.partial(self.options.ns.flops, steps=self.options.ns_steps)
+    team_cost = functools.partial(self.options.ns.team_cost, steps=self.options.ns_steps)
     return build_plan([l.layout for l in muon], [l.sharding for l in muon], cost,
-                      self.options.sharding, stack=self.options.ns.stack_same_shape)
+                      self.options.sharding, stack=self.options.ns.stack_same_shape,
+                      team_cost=team_cost)
 
   @property
   def muon_leaves(self) -> list[LeafSpec]:

@@ -13,7 +13,7 @@ import optax
 from optax_muon.coefficients import CoefficientsLike, NSCoefficients, resolve_coefficients
 from optax_muon.executor import orthogonalize
 from optax_muon.momentum import moment_dtype, momentum_step
-from optax_muon.newton_schulz import PRECONDITIONINGS, newton_schulz
+from optax_muon.newton_schulz import PRECONDITIONINGS, orthogonalize_block
 from optax_muon.normuon import init_moment, normalize_neurons
 from optax_muon.options import (MOMENTUM_KINDS, NorMuon, NSOptions, ShardingOptions,
                                 check_number, check_option)
@@ -68,7 +68,7 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
   ``init`` reports ``options`` whole, so that ``summarize`` can show the routing.
   """
   received = dataclasses.replace(options, routing=None)
-  ns = functools.partial(newton_schulz, ns_coeffs=hyper.coefficients,
+  ns = functools.partial(orthogonalize_block, table=hyper.coefficients,
                          compute_dtype=options.ns.compute_dtype,
                          preconditioning=hyper.preconditioning, method=options.ns.method,
                          gram_restart=options.ns.gram_restart)
