@@ -13,6 +13,7 @@ generated ``polar_express_coefficients`` table, and ``msign``, its SVD reference
 from optax_muon.alias import muon
 from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
                                      resolve_coefficients, singular_value_range)
+from optax_muon.cost_model import PROFILES, CostModel, default_cost_model
 from optax_muon.diagnostics import diagnostics
 from optax_muon.layout import MuonDimensionNumbers
 from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz, ns_flops
@@ -28,6 +29,7 @@ from optax_muon.weight_decay import add_cautious_decayed_weights
 __version__ = "0.2.0"
 
 __all__ = [
+    "CostModel",
     "DEFAULT_ADAM_PATTERN",
     "LeafSummary",
     "MuonDimensionNumbers",
@@ -38,6 +40,7 @@ __all__ = [
     "NorMuon",
     "PRECONDITIONINGS",
     "PRESET_NAMES",
+    "PROFILES",
     "QKClip",
     "QKClipHeads",
     "Reason",
@@ -47,6 +50,7 @@ __all__ = [
     "ShardingOptions",
     "TreeSpec",
     "add_cautious_decayed_weights",
+    "default_cost_model",
     "diagnostics",
     "msign",
     "muon",

@@ -1,11 +1,12 @@
 """An alpha–beta cost model of one device, for choosing how many devices orthogonalize one
 matrix together.
 
-time = FLOPs / flops_per_second + Σ over collectives (collective_latency + bytes /
-bytes_per_second). A matrix c FLOPs of Newton–Schulz on one device takes c / rate; on a team
-of k devices c / (k·rate) plus, per step, an all-reduce of the m × m Gram matrix and an
-all-gather of the polynomial's rows (m² elements each). Splitting pays when the compute it
-saves exceeds the collectives it adds.
+time = FLOPs / flops_per_second + Σ over collectives (collective_latency + bytes received /
+bytes_per_second). A matrix of c FLOPs of Newton–Schulz takes c / rate on one device; on a
+team of k devices about c / (k·rate) on each, plus per step the all-reduce of the m × m Gram
+matrix (a reduce-scatter and an all-gather) and the all-gather of the polynomial's rows,
+each receiving (k − 1)/k·m² elements. Splitting pays when the compute it saves exceeds the
+collectives it adds; the plan decides that for the whole tree (``optax_muon.plan``).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class CostModel:
     return self.collective_latency + received_bytes / self.bytes_per_second
 
 
-#: Named profiles. Figures are round, public peak numbers (dense matmul at the compute dtype
-#: NS runs in, one link's bandwidth, a typical small-collective latency), not measurements.
+#: Named profiles: ``"cpu"``, ``"gpu"``, ``"tpu"``. Round public peak figures (dense matmul
+#: throughput, per-device collective bandwidth, a typical small-collective latency), not
+#: measurements; give your own ``CostModel`` for a measured machine.
 PROFILES = {
     # A server CPU core group: ~1 TFLOP/s f32, collectives through shared memory.
     "cpu": CostModel(1e12, 20e9, 20e-6),
@@ -71,7 +73,15 @@ PROFILES = {
 
 
 def default_cost_model(devices=None) -> CostModel:
-  """The profile of the devices JAX runs on (``jax.devices()`` by default)."""
+  """The profile of the devices JAX runs on.
+
+  Args:
+    devices: the devices (``jax.devices()`` by default); their platform picks the profile
+      (``"cpu"`` for a platform without one).
+
+  Returns:
+    One of ``PROFILES``.
+  """
   devices = jax.devices() if devices is None else devices
   platform = devices[0].platform if devices else "cpu"
   return PROFILES.get(platform, PROFILES["cpu"])

@@ -375,12 +375,6 @@ class Plan:
     """Modelled time of the busiest device (see ``device_seconds``)."""
     return float(self.device_seconds(model).max())
 
-  def team_size(self, leaf: int) -> int:
-    """The largest team any matrix of leaf ``leaf`` is orthogonalized by (1: whole)."""
-    return max([r.size for g in self.groups for ex in g.exchanges for r in ex.rounds
-                if leaf in ex.buckets[r.bucket].members
-                and self.leaves[leaf].signature == self.leaves[r.leaf].signature] or [1])
-
   def critical_ns_flops(self) -> int:
     """NS FLOPs of the busiest device."""
     return int(self.device_ns_flops().max())

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from optax_muon import tree_utils
+from optax_muon.cost_model import default_cost_model
 from optax_muon.plan import Plan
 from optax_muon.qk_clip import ROLES, resolve_projections
 from optax_muon.routing import ADAM, MUON
@@ -62,11 +63,32 @@ def _placement(plan: Plan, index: int) -> str:
   if group.replica_size > 1:
     parts.append(f"{'split' if group.split else 'redundant'} over "
                  f"{'×'.join(group.replica_axes)}")
+  head = (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
+          f"{_plural(bucket.matrices, 'matrix', 'matrices')}, ")
+  round_ = _round_of(plan, index)
+  if round_ is not None:
+    return (head + f"split over teams of {round_.size} ({len(round_.matrices)} teams × "
+            f"{round_.per_team} of this kind)")
   counts = sorted({len(owned[k]) for owned in ex.owned})
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
-  return (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
-          f"{_plural(bucket.matrices, 'matrix', 'matrices')}, {spread} per worker of "
-          f"{group.workers}")
+  return head + f"{spread} whole per worker of {group.workers}"
+
+
+def _round_of(plan: Plan, index: int):
+  """The ``TeamRound`` that orthogonalizes plan leaf ``index``'s matrices, or None."""
+  signature = plan.leaves[index].signature
+  return next((r for g in plan.groups for ex in g.exchanges for r in ex.rounds
+               if index in ex.buckets[r.bucket].members
+               and plan.leaves[r.leaf].signature == signature), None)
+
+
+def _matrix_seconds(plan: Plan, index: int) -> float:
+  """Modelled NS time of one of the leaf's matrices on the device(s) orthogonalizing it."""
+  model = plan.cost_model or default_cost_model()
+  round_ = _round_of(plan, index)
+  if round_ is None:
+    return model.compute_seconds(plan.leaves[index].flops)
+  return round_.seconds(model) / round_.per_team
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +104,9 @@ class LeafSummary:
     scale: the shape factor (None when it is a hyperparameter set at run time).
     ns_flops: NS FLOPs per step for the whole leaf.
     placement: where its matrices are orthogonalized (sharded leaves only).
+    team: how many devices orthogonalize each of its matrices together (sharded leaves).
+    ns_seconds: modelled NS time of one of its matrices there (sharded leaves; the cost
+      model of ``ShardingOptions``).
     qk_clip: its QK-clip role and heads (query and key projections only).
   """
 
@@ -95,6 +120,8 @@ class LeafSummary:
   scale: float | None = None
   ns_flops: int | None = None
   placement: str = ""
+  team: int | None = None
+  ns_seconds: float | None = None
   qk_clip: str = ""
 
 
@@ -122,12 +149,13 @@ class RoutingSummary:
 
   def __str__(self) -> str:
     header = ("path", "shape", "dtype", "optimizer", "reason", "NS matrix", "batch", "scale",
-              "NS GFLOP", "NS placement")
+              "NS GFLOP", "k", "NS ms (model)", "NS placement")
     body = [(r.path, "×".join(map(str, r.shape)) or "()", r.dtype,
              "Muon" if r.optimizer == MUON else "AdamW", r.reason,
              f"{r.ns_matrix[0]}×{r.ns_matrix[1]}" if r.ns_matrix else "",
              str(r.batch or ""), f"{r.scale:.3g}" if r.scale is not None else "",
-             f"{r.ns_flops / 1e9:.3f}" if r.ns_flops else "", r.placement)
+             f"{r.ns_flops / 1e9:.3f}" if r.ns_flops else "", str(r.team or ""),
+             f"{r.ns_seconds * 1e3:.3g}" if r.ns_seconds is not None else "", r.placement)
             for r in self.rows]
     n_muon, n_adam = len(self.by_optimizer(MUON)), len(self.by_optimizer(ADAM))
     footer = (f"{_plural(n_muon, 'leaf', 'leaves')} on Muon, {n_adam} on AdamW; NS "
@@ -135,9 +163,11 @@ class RoutingSummary:
     if self.plan is not None and self.plan.sharded:
       footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
                  f"{self.plan.critical_ns_flops() / 1e9:.3f} GFLOP on the busiest device "
-                 f"(lower bound {self.plan.ns_flops_bound() / 1e9:.3f}).")
-    else:  # no sharded leaves: no placement column
-      header, body = header[:-1], [row[:-1] for row in body]
+                 f"(whole-matrix lower bound {self.plan.ns_flops_bound() / 1e9:.3f}); "
+                 f"modelled NS and exchange time {self.plan.critical_seconds() * 1e3:.3g} ms "
+                 f"on the busiest device.")
+    else:  # no sharded leaves: no placement columns
+      header, body = header[:-3], [row[:-3] for row in body]
     if any(r.qk_clip for r in self.rows):
       header, body = header + ("QK-clip",), [(*row, r.qk_clip) for row, r in zip(body, self.rows)]
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
@@ -222,7 +252,9 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
           scale=(None if options.consistent_rms == "injected" else float(scale_factor(
               layout.n_in, layout.n_out, options.scale, consistent_rms=consistent_rms))),
           ns_flops=layout.batch * options.ns.flops(m, n, layout.dtype, options.ns_steps),
-          placement=_placement(plan, plan_index[i]) if sharded else "")
+          placement=_placement(plan, plan_index[i]) if sharded else "",
+          team=(getattr(_round_of(plan, plan_index[i]), "size", 1) if sharded else None),
+          ns_seconds=_matrix_seconds(plan, plan_index[i]) if sharded else None)
     rows.append(row)
   summary = RoutingSummary(tuple(rows), plan, _notes(
       options, rows, [p.role for p in projections if p is not None]))

@@ -279,8 +279,8 @@ def test_summary_reports_the_plan():
   # 3.75 units each at best: six devices take one wide and one square matrix, two take 3
   # square ones (two patterns). The uniform plan ran 2 square + 1 wide slots everywhere
   # (5 units).
-  assert "12 matrices, 1–3 per worker of 8" in rows["blocks/0/q"].placement
-  assert "6 matrices, 0–1 per worker of 8" in rows["blocks/0/mlp_in"].placement
+  assert "12 matrices, 1–3 whole per worker of 8" in rows["blocks/0/q"].placement
+  assert "6 matrices, 0–1 whole per worker of 8" in rows["blocks/0/mlp_in"].placement
   unit = om.ns_flops(32, 32, 5)
   assert sorted(summary.plan.device_ns_flops().tolist()) == [3 * unit] * 2 + [4 * unit] * 6
   assert summary.plan.critical_ns_flops() / summary.plan.ns_flops_bound() == 16 / 15

@@ -1,0 +1,177 @@
+"""Matrices split over teams of devices, chosen by the cost model: equal to the single-device
+update, and each device's compiled NS FLOPs and NS-loop collectives are the plan's."""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import hlo_cost
+import optax_muon as om
+import test_sharded as base
+from helpers import rel_err
+from optax_muon.plan import build_plan
+from sharding import compiled_device_flops
+
+FREE = om.CostModel(1e12, math.inf, 0.0)  # communication costs nothing
+PROHIBITIVE = om.CostModel(1e12, 1.0, 1.0)  # one byte per second, a second per collective
+
+
+def _muon(model, dims=None, policy="split", **kw):
+  return om.muon(0.1, muon_weight_dimension_numbers=dims, ns_options=base.STANDARD,
+                 sharding=om.ShardingOptions(replica_policy=policy, cost_model=model), **kw)
+
+
+def _rounds(plan):
+  return [r for g in plan.groups for ex in g.exchanges for r in ex.rounds]
+
+
+def _check_compiled_is_the_plan(compiled, plan):
+  """Per device NS FLOPs, and the collectives inside NS loops, as the plan predicts."""
+  cost = hlo_cost.analyze(compiled, plan.device_count)
+  assert (compiled_device_flops(cost, plan) == plan.device_ns_flops()).all()
+  in_loop = [c for c in cost.collectives if c.in_loop]
+  rounds = _rounds(plan)
+  assert len(in_loop) == sum(r.cost.loop_collectives for r in rounds)
+  assert sorted(c.kind for c in in_loop) == sorted(
+      ["reduce-scatter", "all-gather", "all-gather"] * len(rounds))
+  assert all(c.multiplicity == 5 for c in in_loop)  # one per NS step
+
+
+# One layer (4 d × d and 2 d × 4d matrices on 8 workers): whole matrices leave the busiest
+# device at the largest matrix, so splitting pays when communication is free.
+GROUP_CASES = ["fsdp8", "fsdp4xtp2", "dp2xfsdp4-split", "dp2xfsdp4-redundant"]
+
+
+@pytest.mark.parametrize("axis_type", [
+    AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", [
+    GROUP_CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in GROUP_CASES[1:])])
+def test_groups_equal_single_device(case, axis_type):
+  shape, names, _, specs_fn, policy = base.CASES[case]
+  params, dims = base._tree(1)
+  grads = [base.random_like(params, 10 + t) for t in range(2)]
+  reference = base._single_device(params, grads, dims)
+  mesh = base._mesh(shape, names, axis_type)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  explicit = axis_type == AxisType.Explicit
+  tx = _muon(FREE, dims, policy, param_shardings=None if explicit else shardings)
+  sharded = put(params)
+  plan = om.summarize(sharded, tx).plan
+  assert _rounds(plan), "free communication should split some matrices"
+  assert plan.critical_ns_flops() < build_plan(
+      [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves], base._cost,
+      om.ShardingOptions(replica_policy=policy)).critical_ns_flops()
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded)
+    update = jax.jit(tx.update)
+    for t in range(2):
+      updates, state = update(put(grads[t]), state, sharded)
+    _check_compiled_is_the_plan(update.lower(put(grads[0]), state, sharded).compile(), plan)
+  base._compare(updates, reference)
+  for u, s in zip(jax.tree.leaves(updates), jax.tree.leaves(shardings)):
+    assert u.sharding.is_equivalent_to(s, u.ndim)
+
+
+def test_groups_in_a_shard_map_train_step():
+  """Inside the user's shard_map (which checks replication): the same update as pjit."""
+  params, _ = base._tree(3)
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  specs = base._fsdp_specs(params)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  grads, sharded = put(base.random_like(params, 3)), put(params)
+  tx = _muon(FREE, param_shardings=specs)
+  with jax.set_mesh(mesh):
+    assert _rounds(om.summarize(sharded, tx).plan)
+    state = jax.jit(tx.init)(sharded)
+    expected, _ = jax.jit(tx.update)(grads, state, sharded)
+    state_specs = jax.tree.map(lambda x: x.sharding.spec, state)
+    step = jax.jit(jax.shard_map(tx.update, in_specs=(specs, state_specs, specs),
+                                 out_specs=(specs, state_specs)))
+    got, _ = step(grads, state, sharded)
+  base._compare(got, expected)
+
+
+def test_prohibitive_communication_keeps_the_whole_matrix_plan():
+  params, _ = base._tree(3)
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                         base._fsdp_specs(params))
+  plan = om.summarize(sharded, _muon(PROHIBITIVE)).plan
+  whole = build_plan([p.layout for p in plan.leaves], [p.sharding for p in plan.leaves],
+                     base._cost)
+  assert plan.groups == whole.groups and not _rounds(plan)
+  assert (plan.device_received_bytes() == whole.device_received_bytes()).all()
+
+
+def test_bf16_groups_err_like_single_device():
+  """bf16 leaves (NS products in bf16): split and whole round differently; both stay as
+  close to the float32 update as bf16 allows."""
+  params32 = base._tree(1)[0]
+  grads32 = [base.random_like(params32, 5)]
+  exact = base._single_device(params32, grads32, None, steps=1)
+  params, grads = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (params32, grads32))
+  whole = base._single_device(params, grads, None, steps=1)
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), base._fsdp_specs(params))
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  tx = _muon(FREE)
+  sharded = put(params)
+  assert _rounds(om.summarize(sharded, tx).plan)
+  with jax.set_mesh(mesh):
+    updates, _ = jax.jit(tx.update)(put(grads[0]), jax.jit(tx.init)(sharded), sharded)
+  for a, b, c in zip(jax.tree.leaves(updates), jax.tree.leaves(whole), jax.tree.leaves(exact)):
+    assert a.dtype == jnp.bfloat16
+    assert rel_err(a, c) < 1.5 * max(rel_err(b, c), 1e-2)
+
+
+def test_summary_shows_team_sizes_and_modelled_time():
+  params, _ = base._tree(3)
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                         base._fsdp_specs(params))
+  summary = om.summarize(sharded, _muon(FREE))
+  rows = [r for r in summary.rows if r.optimizer == "muon"]
+  split = [r for r in rows if r.team > 1]
+  assert split and all(f"teams of {r.team}" in r.placement for r in split)
+  for r in rows:  # free communication: a matrix's time is its FLOPs per member
+    flops = base.STANDARD.flops(*r.ns_matrix, jnp.float32, 5, team=r.team)
+    assert r.ns_seconds == pytest.approx(flops / FREE.flops_per_second)
+  assert summary.plan.critical_seconds() == pytest.approx(
+      summary.plan.critical_ns_flops() / FREE.flops_per_second)
+  assert "modelled NS and exchange time" in str(summary)
+
+
+def test_cost_model_validation_and_default():
+  with pytest.raises(ValueError, match="CostModel.bytes_per_second"):
+    om.CostModel(1e12, 0.0, 0.0)
+  with pytest.raises(ValueError, match="CostModel.collective_latency"):
+    om.CostModel(1e12, 1e9, -1.0)
+  with pytest.raises(ValueError, match="ShardingOptions.cost_model"):
+    om.ShardingOptions(cost_model="gpu")
+  assert om.default_cost_model() is om.PROFILES["cpu"]  # these tests run on CPU devices
+  assert om.CostModel(1e12, math.inf, 0.0).collective_seconds(1e9) == 0.0
+
+
+@pytest.mark.slow
+def test_gpt_on_64_devices_reaches_the_average_with_free_communication():
+  """The README's GPT (d=256, 3 layers) on 64 devices: whole matrices leave the busiest
+  device at 6.4× Σc/N; with teams it is within 1.3×, compiled as planned, and the update
+  equals the single-device one."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64",
+             PYTHONPATH=os.pathsep.join([str(root), str(root / "benchmarks"),
+                                         str(root / "tests")]))
+  out = subprocess.run([sys.executable, str(root / "tests" / "group_plan_worker.py")],
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  ratio, whole_ratio, err = map(float, out.stdout.split()[-3:])
+  assert whole_ratio > 6 and ratio <= 1.3 and err < 1e-5
