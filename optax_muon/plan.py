@@ -658,6 +658,10 @@ def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_sh
   return out
 
 
+# Beyond this many workers _fewer_programs is not tried (its search would take seconds).
+_DEAL_WORKERS = 1024
+
+
 def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
   """Re-deals one exchange's matrices as two per-worker patterns (and idle workers), if free.
 
@@ -668,11 +672,12 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
   u·p_b + v·q_b = K_b for every bucket b. A deal is taken only if it has fewer patterns and
   neither the busiest device's load nor the largest owned size (the all-to-all chunk)
   grows. Applies when the devices' loads from other exchanges are equal across workers
-  (otherwise a pattern's cost would depend on the worker); updates ``m`` and ``loads``.
+  (otherwise a pattern's cost would depend on the worker), and up to ``_DEAL_WORKERS``
+  workers (the search is quadratic in them); updates ``m`` and ``loads``.
   """
   workers = len(m.owned_elements)
   patterns = len({tuple(row) for row in m.counts})
-  if workers < 3 or patterns <= 2:
+  if workers < 3 or patterns <= 2 or workers > _DEAL_WORKERS:
     return
   mine = np.zeros(workers)
   np.add.at(mine, m.owner, m.costs)
