@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon.newton_schulz import MeshTeam
-from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program, TeamRound
+from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program, TeamProgram
 from optax_muon.spec import TreeSpec
 
 # Newton–Schulz of a (batch, m, n) stack of canonical matrices (m ≤ n), or, with
@@ -39,18 +39,25 @@ def _local_block(p: LeafPlacement, pieces: jax.Array) -> jax.Array:
   return jnp.transpose(shaped, tuple(np.argsort(perm)))
 
 
-def _member_view(p: LeafPlacement, round_: TeamRound) -> LeafPlacement:
-  """The leaf as one team member sees it: 1/k of every local block along the split dim."""
+def _member_view(p: LeafPlacement, split_dim: int, size: int) -> LeafPlacement:
+  """The leaf as one of ``size`` team members sees it: ⌈e/size⌉ of every local block's
+  extent e along ``split_dim``."""
   shape = list(p.layout.shape)
-  shape[round_.split_dim] //= round_.size
+  extent = p.local_shape[split_dim]
+  shape[split_dim] = shape[split_dim] // extent * -(-extent // size)
   return dataclasses.replace(p, layout=dataclasses.replace(p.layout, shape=tuple(shape)))
 
 
-def _member_slice(p: LeafPlacement, round_: TeamRound, member: int) -> np.ndarray:
-  """Where member ``member``'s block lies in a flattened local piece of ``p``."""
+def _member_slice(p: LeafPlacement, split_dim: int, size: int, member: int) -> np.ndarray:
+  """Where member ``member``'s block lies in a flattened local piece of ``p``; −1 where the
+  block is padded (the last members' blocks when ``size`` does not divide the extent)."""
+  axis = p.matrix_dims.index(split_dim)
+  extent = p.piece_shape[axis]
+  rows = -(-extent // size)
   index = np.arange(math.prod(p.piece_shape)).reshape(p.piece_shape)
-  axis = p.matrix_dims.index(round_.split_dim)
-  return np.split(index, round_.size, axis=axis)[member].reshape(-1)
+  index = np.pad(index, [(0, rows * size - extent if a == axis else 0)
+                         for a in range(index.ndim)], constant_values=-1)
+  return np.take(index, np.arange(member * rows, (member + 1) * rows), axis=axis).reshape(-1)
 
 
 def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array,
@@ -151,22 +158,21 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: N
 def _buffer_index(ex: Exchange, plan: Plan, g: int) -> np.ndarray:
   """Where each element of the (workers, chunk) buffer comes from.
 
-  Row w holds this device's blocks of the matrices of worker w's team in each round (the
-  same size for every worker), then its pieces of worker w's whole matrices, in the order
-  its program runs them, then padding. The index is into the buckets' stacks of local
-  pieces (bucket order, each (K, L) flattened, concatenated); padding (and a round's
-  padding matrices) points one past the end, at a zero.
+  Row w holds this device's blocks (member w mod k's) of the matrices of worker w's team,
+  run by run; then its pieces of worker w's whole matrices, in the order its program runs
+  them; then padding. The index is into the buckets' stacks of local pieces (bucket order,
+  each (K, L) flattened, concatenated); padding points one past the end, at a zero.
   """
   starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
   index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int64)
   for w, owned in enumerate(ex.owned):
     parts = []
-    for r in ex.rounds:
-      size = ex.buckets[r.bucket].piece_size(g)
-      block = _member_slice(plan.leaves[r.leaf], r, w % r.size)
-      for j in r.matrices[w // r.size]:
-        parts.append(starts[r.bucket] + j * size + block if j >= 0
-                     else np.full(block.size, starts[-1]))
+    for run in ex.teams[w // ex.team_size] if ex.teams else ():
+      size = ex.buckets[run.bucket].piece_size(g)
+      block = _member_slice(plan.leaves[run.leaf], run.split_dim, ex.team_size,
+                            w % ex.team_size)
+      parts += [np.where(block < 0, starts[-1], starts[run.bucket] + j * size + block)
+                for j in run.matrices]
     parts += [start + (np.asarray(mine, np.int64)[:, None] * b.piece_size(g)
                        + np.arange(b.piece_size(g))).reshape(-1)
               for mine, b, start in zip(owned, ex.buckets, starts)]
@@ -196,23 +202,34 @@ def _owner_program(ex: Exchange, group: Group, plan: Plan, ns: NSFunction, progr
   return jnp.pad(reply, ((0, 0), (0, received.shape[1] - reply.shape[1])))
 
 
-def _run_rounds(ex: Exchange, group: Group, plan: Plan, ns: NSFunction,
-                received: jax.Array) -> jax.Array:
-  """Every worker's part in the rounds: (g, R) received blocks → (g, R) blocks of the
-  results. The same program on every worker; the teams' collectives run over X (and R
-  when replicas split the work), grouped by team."""
-  mesh, g, out, offset = dict(plan.mesh_shape), group.exchange_size, [], 0
-  axes = group.exchange_axes + (group.replica_axes if group.split else ())
-  for r in ex.rounds:
-    bucket, leaf = ex.buckets[r.bucket], plan.leaves[r.leaf]
-    view, size = _member_view(leaf, r), r.per_team * r.piece_size(ex.buckets[r.bucket], g)
-    blocks = received[:, offset:offset + size].reshape(g, r.per_team, -1)
+def _team_program(ex: Exchange, group: Group, plan: Plan, ns: NSFunction,
+                  program: TeamProgram, received: jax.Array) -> jax.Array:
+  """One team's branch, the same on each member: (g, T) received blocks → (g, T) blocks
+  of the results. The team's collectives run over X (and R when replicas split the work),
+  grouped in teams of k consecutive workers."""
+  mesh, g, k = dict(plan.mesh_shape), group.exchange_size, ex.team_size
+  team = MeshTeam(group.exchange_axes + (group.replica_axes if group.split else ()),
+                  devices=group.workers, size=k)
+  out, offset = [], 0
+  for bucket_index, leaf_index, split_dim, count in program:
+    bucket, leaf = ex.buckets[bucket_index], plan.leaves[leaf_index]
+    view = _member_view(leaf, split_dim, k)
+    size = count * math.prod(view.piece_shape)
+    blocks = received[:, offset:offset + size].reshape(g, count, -1)
     mats = _assemble(view, group, mesh, blocks.astype(bucket.dtype), leaf.layout.transposed)
-    result = ns(mats, team=MeshTeam(axes, devices=group.workers, size=r.size))
+    result = ns(mats, team=team)
     out.append(_disassemble(view, group, mesh, result, leaf.layout.transposed)
                .astype(received.dtype).reshape(g, -1))
     offset += size
+  out.append(jnp.zeros((g, received.shape[1] - offset), received.dtype))
   return jnp.concatenate(out, axis=1)
+
+
+def _switch(index, branches, operand):
+  """``branches[index](operand)``; no ``lax.switch`` for a single branch."""
+  if len(branches) == 1:
+    return branches[0](operand)
+  return jax.lax.switch(index, branches, operand)
 
 
 def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
@@ -242,22 +259,32 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
     # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
     if g > 1:
       buffer = _all_to_all(buffer, x_axes)
-    # 4. The rounds: each team member's columns, NS together with its team (the same
-    # program on every worker).
-    split = ex.round_elements(g)
-    parts = [_run_rounds(ex, group, plan, ns, buffer[:, :split])] if split else []
-    # 5. Whole matrices, NS, pieces again: each distinct program is one switch branch.
-    whole = buffer[:, split:]
-    if whole.shape[1]:
-      branches = [functools.partial(_owner_program, ex, group, plan, ns, p)
-                  for p in ex.programs]
-      if len(branches) == 1:
-        whole = branches[0](whole)
+    # 4. Matrices split over teams: each member's columns, NS with its team; each distinct
+    # team program is one switch branch, taken by all of the team's members.
+    worker = _index(x_axes) * replicas + rep
+    team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
+    reply = jnp.zeros_like(buffer)
+    if team_width:
+      team = _switch(jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
+                     [functools.partial(_team_program, ex, group, plan, ns, p)
+                      for p in ex.team_programs], buffer[:, :team_width])
+      reply = reply.at[:, :team_width].set(team)
+    # 5. Whole matrices, NS, pieces again: each distinct program is one switch branch. They
+    # follow the worker's team blocks.
+    if whole_width:
+      offset = jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
+      padded = jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
+      whole = jax.lax.dynamic_slice_in_dim(padded, offset, whole_width, axis=1)
+      whole = _switch(jnp.asarray(ex.program_of, np.int32)[worker],
+                      [functools.partial(_owner_program, ex, group, plan, ns, p)
+                       for p in ex.programs], whole)
+      if team_width:
+        reply = jax.lax.dynamic_update_slice_in_dim(
+            jnp.pad(reply, ((0, 0), (0, whole_width))), whole, offset, axis=1)
+        reply = reply[:, :buffer.shape[1]]
       else:
-        worker = _index(x_axes) * replicas + rep
-        whole = jax.lax.switch(jnp.asarray(ex.program_of, np.int32)[worker], branches, whole)
-      parts.append(whole)
-    buffer = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+        reply = whole
+    buffer = reply
     # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
     # replicas' results are all-gathered.
     if g > 1:

@@ -134,48 +134,47 @@ Program = tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class TeamRound:
-  """Matrices of one kind that teams of k workers orthogonalize together (group NS).
+class TeamRun:
+  """Matrices of one kind that one team orthogonalizes together (group NS), split k ways.
 
-  Workers [t·k, (t+1)·k) form team t; member i receives, from every device along X, the
-  i-th of k equal blocks of its piece along ``split_dim``, so it holds all m rows and n/k of
-  the columns of each of its team's matrices. Every team runs the same program.
+  Member i of the team receives, from every device along X, the i-th of k blocks of its
+  piece of each matrix along ``split_dim`` (⌈e/k⌉ of the local extent e, the last ones
+  padded with zero columns, which NS leaves at zero): it holds all m rows and about n/k of
+  the columns.
 
   Attributes:
     bucket: index into the exchange's buckets.
-    leaf: the representative leaf (every matrix of the round is cut into pieces its way).
+    leaf: the representative leaf (the matrices' pieces are cut this leaf's way).
     split_dim: the leaf dimension whose local extent is split among the members.
-    size: k.
-    matrices: per team, the local matrices (indices into the bucket) it orthogonalizes;
-      −1 pads a team with fewer (a zero matrix).
+    matrices: the local matrices (indices into the bucket).
     cost: one member's share of one matrix: FLOPs, collectives, collectives per loop step.
+    block: elements of one matrix each device sends each member (padding included).
   """
 
   bucket: int
   leaf: int
   split_dim: int
-  size: int
-  matrices: tuple[tuple[int, ...], ...]
+  matrices: tuple[int, ...]
   cost: TeamCost
+  block: int
 
   @property
-  def per_team(self) -> int:
-    return len(self.matrices[0])
-
-  def piece_size(self, bucket: Bucket, exchange_size: int) -> int:
-    """Elements of one matrix each device sends to each member."""
-    return bucket.piece_size(exchange_size) // self.size
+  def key(self) -> tuple[int, int, int, int]:
+    """What a program needs to know of the run: (bucket, leaf, split dim, count)."""
+    return self.bucket, self.leaf, self.split_dim, len(self.matrices)
 
   @property
   def flops(self) -> int:
-    """NS FLOPs of every device of the group in this round."""
-    return self.per_team * self.cost.flops
+    return len(self.matrices) * self.cost.flops
 
-  def seconds(self, model: CostModel) -> float:
-    """Modelled time of the round: its FLOPs and its collectives (each carrying all of the
-    team's matrices)."""
-    return model.compute_seconds(self.flops) + sum(
-        model.collective_seconds(self.per_team * b) for b in self.cost.collective_bytes)
+  def collective_seconds(self, model: CostModel) -> float:
+    """Modelled time of its collectives (each carries all of the run's matrices)."""
+    return sum(model.collective_seconds(len(self.matrices) * b)
+               for b in self.cost.collective_bytes)
+
+
+# A team's program: its runs' keys, in order.
+TeamProgram = tuple[tuple[int, int, int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,40 +185,71 @@ class Exchange:
     buckets: the buckets.
     owned: per worker, per bucket, the local matrices (indices into the bucket) it
       orthogonalizes whole, in the order its program runs them.
-    programs: the distinct programs.
+    programs: the distinct programs of whole matrices.
     program_of: per worker, its index into ``programs``.
-    rounds: the matrices split over teams of workers; every worker takes part in each.
+    team_size: k, the workers of each team (1: no teams).
+    teams: per team (workers [t·k, (t+1)·k)), the runs it orthogonalizes split k ways.
+    team_programs: the distinct team programs.
+    team_program_of: per team, its index into ``team_programs``.
   """
 
   buckets: tuple[Bucket, ...]
   owned: tuple[tuple[tuple[int, ...], ...], ...]
   programs: tuple[Program, ...]
   program_of: tuple[int, ...]
-  rounds: tuple[TeamRound, ...] = ()
+  team_size: int = 1
+  teams: tuple[tuple[TeamRun, ...], ...] = ()
+  team_programs: tuple[TeamProgram, ...] = ()
+  team_program_of: tuple[int, ...] = ()
 
-  def round_elements(self, exchange_size: int) -> int:
-    """Elements each device sends each worker for the rounds (the same for every worker)."""
-    return sum(r.per_team * r.piece_size(self.buckets[r.bucket], exchange_size)
-               for r in self.rounds)
+  def whole_elements(self, exchange_size: int) -> list[int]:
+    """Per worker, the elements each device sends it for its whole matrices."""
+    return [sum(len(mine) * b.piece_size(exchange_size) for mine, b in zip(owned, self.buckets))
+            for owned in self.owned]
+
+  def team_elements(self, exchange_size: int) -> list[int]:
+    """Per worker, the elements each device sends it for its team's runs."""
+    if not self.teams:
+      return [0] * len(self.owned)
+    del exchange_size  # the runs know their blocks
+    per_team = [sum(len(r.matrices) * r.block for r in runs) for runs in self.teams]
+    return [per_team[w // self.team_size] for w in range(len(self.owned))]
 
   def owned_elements(self, exchange_size: int) -> list[int]:
-    """Per worker, the elements each device sends it: the rounds, then its whole matrices."""
-    rounds = self.round_elements(exchange_size)
-    return [rounds + sum(len(mine) * b.piece_size(exchange_size)
-                         for mine, b in zip(owned, self.buckets)) for owned in self.owned]
+    """Per worker, the elements each device sends it."""
+    return [a + b for a, b in zip(self.whole_elements(exchange_size),
+                                  self.team_elements(exchange_size))]
 
   def chunk(self, exchange_size: int) -> int:
-    """Elements each device sends to each peer: the busiest worker's pieces."""
+    """Elements each device sends to each peer: the busiest worker's blocks and pieces."""
     return max(self.owned_elements(exchange_size))
 
   def program_flops(self) -> tuple[int, ...]:
-    """NS FLOPs of each program (the whole matrices)."""
+    """NS FLOPs of each program of whole matrices."""
     return tuple(sum(count * b.flops for runs, b in zip(p, self.buckets) for _, count in runs)
                  for p in self.programs)
 
-  def round_flops(self) -> int:
-    """NS FLOPs every worker spends in the rounds."""
-    return sum(r.flops for r in self.rounds)
+  def team_program_flops(self) -> tuple[int, ...]:
+    """NS FLOPs of each team program, on each member."""
+    flops = {}
+    for runs in self.teams:
+      flops[tuple(r.key for r in runs)] = sum(r.flops for r in runs)
+    return tuple(flops[p] for p in self.team_programs)
+
+  def worker_team_flops(self) -> np.ndarray:
+    """Per worker, its NS FLOPs in its team."""
+    if not self.teams:
+      return np.zeros(len(self.owned), np.int64)
+    per_team = np.asarray([sum(r.flops for r in runs) for runs in self.teams], np.int64)
+    return per_team[np.arange(len(self.owned)) // self.team_size]
+
+  def worker_team_collective_seconds(self, model: CostModel) -> np.ndarray:
+    """Per worker, the modelled time of its team's collectives."""
+    if not self.teams:
+      return np.zeros(len(self.owned))
+    per_team = np.asarray([sum(r.collective_seconds(model) for r in runs)
+                           for runs in self.teams])
+    return per_team[np.arange(len(self.owned)) // self.team_size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +336,7 @@ class Plan:
       worker = group.worker_of_devices(self.mesh_shape)
       for ex in group.exchanges:
         flops = np.asarray(ex.program_flops(), np.int64)[np.asarray(ex.program_of)]
-        loads = loads + flops[worker] + ex.round_flops()
+        loads = loads + (flops + ex.worker_team_flops())[worker]
     return loads
 
   def device_received_bytes(self, ragged: bool = False) -> np.ndarray:
@@ -342,19 +372,23 @@ class Plan:
     return received
 
   def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
-    """Per exchange with several programs (one ``lax.switch``): each program's NS FLOPs,
-    and the program every device runs (an array of the mesh's shape)."""
+    """Per ``lax.switch`` (an exchange with several programs of whole matrices, or with
+    several team programs): each branch's NS FLOPs, and the branch every device takes (an
+    array of the mesh's shape)."""
     out = []
     for group in self.groups:
       worker = group.worker_of_devices(self.mesh_shape)
-      out += [(ex.program_flops(), np.asarray(ex.program_of)[worker])
-              for ex in group.exchanges if len(ex.programs) > 1]
+      for ex in group.exchanges:
+        if len(ex.programs) > 1:
+          out.append((ex.program_flops(), np.asarray(ex.program_of)[worker]))
+        if len(ex.team_programs) > 1:
+          out.append((ex.team_program_flops(),
+                      np.asarray(ex.team_program_of)[worker // ex.team_size]))
     return out
 
   def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
     """Modelled NS and exchange time of each device per step, as an array of the mesh's
-    shape: its whole matrices' FLOPs, the rounds it takes part in (FLOPs and team
-    collectives), and its all-to-alls (and replica all-gathers).
+    shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its all-to-alls (and replica all-gathers).
 
     Args:
       model: the cost model; ``None`` takes the plan's (or, if none, the default profile).
@@ -365,10 +399,10 @@ class Plan:
     for group in self.groups:
       if group.workers == 1:
         continue
+      worker = group.worker_of_devices(self.mesh_shape)
       for ex in group.exchanges:
         seconds = seconds + (2 * (group.exchange_size > 1) + group.split) * (
-            model.collective_latency) + sum(
-                r.seconds(model) - model.compute_seconds(r.flops) for r in ex.rounds)
+            model.collective_latency) + ex.worker_team_collective_seconds(model)[worker]
     return seconds
 
   def critical_seconds(self, model: CostModel | None = None) -> float:
@@ -450,12 +484,14 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
                         replica_policy == "split" and r > 1, sharded, buckets, ()))
     units.append([buckets] if exchange == "combined" else [(b,) for b in buckets])
 
-  def plan_with(rounds: dict) -> Plan:
-    owners = _balance(groups, units, mesh_shape, exchange == "per_shape", weigh_bytes, rounds)
+  def plan_with(splits: dict) -> Plan:
+    owners, teams = _balance(groups, units, mesh_shape, exchange == "per_shape", weigh_bytes,
+                             splits, model, placements)
     done = [dataclasses.replace(group, exchanges=tuple(
-        _make_exchange(unit, owner, placements, group.workers, rounds.get((k, e), ()))
-        for e, (unit, owner) in enumerate(zip(group_units, group_owners))))
-            for k, (group, group_units, group_owners) in enumerate(zip(groups, units, owners))]
+        _make_exchange(unit, owner, placements, group.workers, splits.get((k, e)), team)
+        for e, (unit, owner, team) in enumerate(zip(group_units, group_owners, group_teams))))
+            for k, (group, group_units, group_owners, group_teams)
+            in enumerate(zip(groups, units, owners, teams))]
     return Plan(mesh_shape, tuple(placements), tuple(done), exchange, options.wire_dtype,
                 model)
 
@@ -468,6 +504,26 @@ def build_plan(layouts: list[MatrixLayout], shardings: list[LeafSharding | None]
   return _choose_teams(whole, plan_with, groups, units, placements, team_cost, model)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """The kinds of one exchange that teams of ``size`` workers orthogonalize.
+
+  Attributes:
+    size: k.
+    kinds: (bucket index, signature) → (representative leaf, split dim, ``TeamCost``,
+      elements of one matrix each device sends each member).
+  """
+
+  size: int
+  kinds: dict
+
+  def effective_flops(self, kind: tuple, model: CostModel) -> float:
+    """A member's time for one matrix of ``kind``, in FLOPs (its collectives included)."""
+    cost = self.kinds[kind][2]
+    return cost.flops + model.flops_per_second * sum(
+        model.collective_seconds(b) for b in cost.collective_bytes)
+
+
 # A split must shorten the modelled critical path by more than this fraction to be taken.
 _SPLIT_MARGIN = 0.02
 
@@ -476,79 +532,80 @@ def _choose_teams(whole: Plan, plan_with: Callable[[dict], Plan], groups: list[G
                   units: list[list[tuple[Bucket, ...]]], placements: list[LeafPlacement],
                   team_cost: Callable[[int, int, Any, int], TeamCost],
                   model: CostModel) -> Plan:
-  """Which kinds of matrices teams orthogonalize, and how large the teams are.
+  """Which matrices teams orthogonalize, and how large the teams are.
 
-  A kind is the matrices of one bucket whose pieces are cut the same way. Each kind gets
-  the team size k (a divisor of its group's workers, splitting one of its long-side
-  dimensions locally) that minimizes its round's modelled time. The kinds are split in
-  decreasing order of their matrices' NS time, and the plan keeps the prefix of that order
-  whose whole-tree critical path (``Plan.critical_seconds``) is shortest; whole matrices
-  are kept unless splitting shortens it by more than ``_SPLIT_MARGIN``.
+  A kind is the matrices of one bucket whose pieces are cut the same way. Per exchange, for
+  every team size k (a divisor of the workers) and every prefix of the kinds in decreasing
+  order of NS FLOPs (those that a long-side dimension of the local block lets split k
+  ways), the plan is built (``_balance`` places whole matrices and team matrices together)
+  and its whole-tree critical path (``Plan.critical_seconds``) modelled; the shortest is
+  kept, and whole matrices unless splitting shortens it by more than ``_SPLIT_MARGIN``.
+  Candidates whose lower bound (the busiest device's share of all work, or the slowest
+  single piece of work) is no better are not built.
   """
-  candidates = []
+  best_plan, best_seconds = whole, whole.critical_seconds(model)
+  limit = best_seconds * (1 - _SPLIT_MARGIN)
+  splits: dict[tuple, _Split] = {}
+  rate = model.flops_per_second
   for k, (group, group_units) in enumerate(zip(groups, units)):
     if not group.sharded or group.workers == 1:
       continue
     for e, buckets in enumerate(group_units):
+      kinds = {}  # (bucket, signature) → (representative leaf, matrices, c)
       for b, bucket in enumerate(buckets):
-        start = 0
-        kinds: dict[tuple, list[int]] = {}
         for i in bucket.members:
-          batch = placements[i].local_batch
-          kinds.setdefault(placements[i].signature, []).extend(range(start, start + batch))
-          start += batch
-        for matrices in kinds.values():
-          leaf = next(i for i in bucket.members
-                      if placements[i].signature in kinds
-                      and kinds[placements[i].signature] is matrices)
-          best = _best_round(placements[leaf], leaf, b, bucket, matrices, group.workers,
-                             team_cost, model)
-          if best is not None:
-            candidates.append((-bucket.flops, len(candidates), (k, e), best))
-  candidates.sort(key=lambda c: c[:2])
-  best_plan, best_seconds = whole, whole.critical_seconds(model)
-  limit = best_seconds * (1 - _SPLIT_MARGIN)
-  rounds: dict[tuple, tuple[TeamRound, ...]] = {}
-  together = 0.0  # a round occupies every device of its group: a bound on the critical path
-  for _, _, where, round_ in candidates:
-    together += round_.seconds(model)
-    if together >= min(best_seconds, limit):
-      break
-    rounds[where] = rounds.get(where, ()) + (round_,)
-    plan = plan_with(dict(rounds))
-    seconds = plan.critical_seconds(model)
-    if seconds < min(best_seconds, limit):
-      best_plan, best_seconds = plan, seconds
+          key = (b, placements[i].signature)
+          leaf, count, c = kinds.get(key, (i, 0, bucket.flops))
+          kinds[key] = (leaf, count + placements[i].local_batch, c)
+      order = sorted(kinds, key=lambda key: -kinds[key][2])
+      found = None
+      for size in range(2, group.workers + 1):
+        if group.workers % size:
+          continue
+        feasible = {}
+        for key in order:
+          leaf = kinds[key][0]
+          found = _split_dim(placements[leaf], size)
+          if found is not None:
+            dim, padded = found
+            (m, n), extent = buckets[key[0]].shape, placements[leaf].local_shape[dim]
+            block = math.prod(placements[leaf].piece_shape) // extent * padded // size
+            feasible[key] = (leaf, dim, team_cost(m, n // extent * padded, buckets[key[0]].dtype,
+                                                  size), block)
+        chosen = [key for key in order if key in feasible]
+        for j in range(1, len(chosen) + 1):
+          split = _Split(size, {key: feasible[key] for key in chosen[:j]})
+          team_work = sum(kinds[key][1] * split.effective_flops(key, model) * size
+                          for key in split.kinds)
+          whole_work = sum(kinds[key][1] * kinds[key][2] for key in order
+                           if key not in split.kinds)
+          slowest = max([split.effective_flops(key, model) for key in split.kinds]
+                        + [kinds[key][2] for key in order if key not in split.kinds])
+          replicas = group.workers // group.exchange_size if group.split else 1
+          bound = max((team_work + whole_work) / group.workers, slowest) / rate
+          if bound >= min(best_seconds, limit) or replicas < 1:
+            continue
+          plan = plan_with({**splits, (k, e): split})
+          seconds = plan.critical_seconds(model)
+          if seconds < min(best_seconds, limit):
+            best_plan, best_seconds, found = plan, seconds, split
+      if found is not None:
+        splits[(k, e)] = found
   return best_plan
 
 
-def _best_round(p: LeafPlacement, leaf: int, bucket_index: int, bucket: Bucket,
-                matrices: list[int], workers: int,
-                team_cost: Callable[[int, int, Any, int], TeamCost],
-                model: CostModel) -> TeamRound | None:
-  """The fastest round for ``matrices`` (one kind of one bucket) over team sizes, or None if
-  no team size divides a long-side dimension of the local block and the workers."""
+def _split_dim(p: LeafPlacement, size: int) -> tuple[int, int] | None:
+  """How ``p``'s matrices split ``size`` ways: (a long-side dimension, its local extent
+  padded to a multiple of ``size``), the least padding first, then the largest extent; None
+  if every long-side dimension's local extent is below ``size``."""
   layout = p.layout
   long_side = layout.reduction_axes if layout.transposed else layout.output_axes
-  best, best_seconds = None, math.inf
-  for k in range(2, workers + 1):
-    if workers % k:
-      continue
-    dims = [d for d in long_side if p.local_shape[d] % k == 0]
-    if not dims:
-      continue
-    dim = max(dims, key=lambda d: p.local_shape[d])
-    teams = workers // k
-    per_team = -(-len(matrices) // teams)
-    padded = list(matrices) + [-1] * (teams * per_team - len(matrices))
-    round_ = TeamRound(bucket_index, leaf, dim, k,
-                       tuple(tuple(padded[t * per_team:(t + 1) * per_team])
-                             for t in range(teams)),
-                       team_cost(*bucket.shape, bucket.dtype, k))
-    seconds = round_.seconds(model)
-    if seconds < best_seconds:
-      best, best_seconds = round_, seconds
-  return best
+  options = [(-(-p.local_shape[d] // size) * size, d) for d in long_side
+             if p.local_shape[d] >= size]
+  if not options:
+    return None
+  padded, dim = min(options, key=lambda o: (o[0] - p.local_shape[o[1]], -o[0]))
+  return dim, padded
 
 
 @dataclasses.dataclass
@@ -559,7 +616,11 @@ class _Matrices:
     worker: the worker index of every device (flattened mesh).
     costs, elements, kinds: per local matrix (buckets concatenated): NS FLOPs, size, bucket.
     caps: per bucket, the most matrices one worker may own.
-    index: per local matrix, (bucket, index in the bucket).
+    index: per whole local matrix, (bucket, index in the bucket).
+    team_size: k of the split kinds (1: none).
+    team_items: per matrix split over a team: (bucket, index in the bucket, a member's
+      share in effective FLOPs).
+    teams: per team, the (bucket, index) pairs it was given.
     owner: per local matrix, the chosen worker.
     owned_elements: per worker, the elements it owns (its chunk).
     counts: (workers, buckets) matrices owned.
@@ -574,6 +635,9 @@ class _Matrices:
   owned_elements: np.ndarray
   counts: np.ndarray
   index: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  team_size: int = 1
+  team_items: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+  teams: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
 
   @property
   def fair_elements(self) -> float:
@@ -581,14 +645,18 @@ class _Matrices:
 
 
 def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_shape: tuple,
-             spread: bool, weigh_bytes: bool, rounds: dict | None = None
-             ) -> list[list[list[int]]]:
+             spread: bool, weigh_bytes: bool, splits: dict | None = None,
+             model: CostModel | None = None, placements: list[LeafPlacement] | None = None
+             ) -> tuple[list[list[list[int]]], list[list[list[list[tuple[int, int]]]]]]:
   """Owners of every local matrix of every exchange: LPT over the whole tree.
 
   Matrices in decreasing order of NS FLOPs; each goes to the worker of its group whose
   busiest device has the least load afterwards (a device's load sums over the groups).
   With ``weigh_bytes`` a worker's score is max(load ÷ the FLOPs bound, owned elements ÷
-  the group's fair share), so that no owner's chunk grows far beyond the fair share.
+  the group's fair share), so that no owner's chunk grows far beyond the fair share. A
+  matrix of a kind that ``splits`` gives to teams of k workers is placed the same way, as
+  a member's share (its collectives included) on the team of k consecutive workers whose
+  busiest device has the least load afterwards.
 
   Args:
     groups: the groups (without exchanges yet).
@@ -596,41 +664,58 @@ def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_sh
     mesh_shape: the mesh.
     spread: cap each bucket at ⌈K / workers⌉ matrices per worker.
     weigh_bytes: weigh the owned elements as well as the FLOPs.
-    rounds: per (group, exchange), the ``TeamRound``s: their matrices get no owner, their
-      FLOPs load every device of the group.
+    splits: per (group, exchange), its ``_Split``.
+    model: the cost model (with ``splits``).
+    placements: the leaves (with ``splits``).
 
   Returns:
-    Per group, per exchange, the worker of each local matrix (buckets concatenated); −1 for
-    the matrices of rounds.
+    Per group, per exchange: the worker of each local matrix (buckets concatenated; −1 for
+    matrices split over teams), and per team the (bucket, matrix) pairs it orthogonalizes.
   """
-  rounds = rounds or {}
+  splits = splits or {}
   loads = np.zeros(math.prod(size for _, size in mesh_shape), np.float64)
   exchanges, items = [], []
   for k, (group, group_units) in enumerate(zip(groups, units)):
     worker = group.worker_of_devices(mesh_shape).reshape(-1)
     for e, buckets in enumerate(group_units):
-      split = {(r.bucket, j) for r in rounds.get((k, e), ()) for team in r.matrices
-               for j in team if j >= 0}
-      loads += sum(r.flops for r in rounds.get((k, e), ()))
+      split = splits.get((k, e))
       m = _Matrices(worker, [], [], [], [], [], np.zeros(group.workers),
                     np.zeros((group.workers, len(buckets))))
-      whole = []
+      m.team_size = split.size if split else 1
+      m.teams = [[] for _ in range(group.workers // m.team_size)] if split else []
       for kind, b in enumerate(buckets):
-        mine = [j for j in range(b.matrices) if (kind, j) not in split]
-        whole += [len(m.costs) + j for j in range(len(mine))]
+        signature = [placements[i].signature for i in b.members
+                     for _ in range(placements[i].local_batch)] if split else []
+        mine = []
+        for j in range(b.matrices):
+          if split and (kind, signature[j]) in split.kinds:
+            cost = split.effective_flops((kind, signature[j]), model)
+            items.append((-cost, 0, len(exchanges), 1, len(m.team_items)))
+            m.team_items.append((kind, j, cost))
+          else:
+            mine.append(j)
         m.costs += [b.flops] * len(mine)
         m.elements += [b.shape[0] * b.shape[1]] * len(mine)
         m.kinds += [kind] * len(mine)
         m.caps.append(-(-len(mine) // group.workers) if spread else math.inf)
         m.index += [(kind, j) for j in mine]
       m.owner = [0] * len(m.costs)
-      items += [(-c, -e, len(exchanges), j) for j, (c, e) in enumerate(zip(m.costs, m.elements))]
+      items += [(-c, -e, len(exchanges), 0, j) for j, (c, e) in enumerate(zip(m.costs, m.elements))]
       exchanges.append((k, m))
-  total = loads.sum() + sum(sum(m.costs) * loads.size / len(m.owned_elements)
-                            for _, m in exchanges)
+  total = sum((sum(m.costs) + sum(c for _, _, c in m.team_items) * m.team_size)
+              * loads.size / len(m.owned_elements) for _, m in exchanges)
   fair_flops = max([total / loads.size, 1] + [c for _, m in exchanges for c in m.costs])
-  for _, _, e, j in sorted(items):
+  for _, _, e, is_team, j in sorted(items):
     m = exchanges[e][1]
+    if is_team:
+      team_of_device = m.worker // m.team_size
+      busiest = np.full(len(m.teams), -np.inf)
+      np.maximum.at(busiest, team_of_device, loads)
+      kind, matrix, cost = m.team_items[j]
+      t = int(np.argmin(busiest))
+      m.teams[t].append((kind, matrix))
+      loads[team_of_device == t] += cost
+      continue
     workers = len(m.owned_elements)
     busiest = np.full(workers, -np.inf)
     np.maximum.at(busiest, m.worker, loads)
@@ -647,15 +732,17 @@ def _balance(groups: list[Group], units: list[list[tuple[Bucket, ...]]], mesh_sh
     loads[m.worker == w] += m.costs[j]
   if weigh_bytes and not spread:
     for _, m in exchanges:
-      _fewer_programs(m, loads)
-  out = [[] for _ in groups]
+      if not m.team_items:
+        _fewer_programs(m, loads)
+  owners, teams = [[] for _ in groups], [[] for _ in groups]
   for (k, m), buckets in zip(exchanges, [b for u in units for b in u]):
     starts = np.cumsum([0] + [b.matrices for b in buckets])
     owner = [-1] * int(starts[-1])
     for (kind, j), w in zip(m.index, m.owner):
       owner[starts[kind] + j] = w
-    out[k].append(owner)
-  return out
+    owners[k].append(owner)
+    teams[k].append(m.teams)
+  return owners, teams
 
 
 # Beyond this many workers _fewer_programs is not tried (its search would take seconds).
@@ -742,10 +829,10 @@ def _fewer_programs(m: _Matrices, loads: np.ndarray) -> None:
 
 
 def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
-                   leaves: list[LeafPlacement], workers: int,
-                   rounds: tuple[TeamRound, ...] = ()) -> Exchange:
-  """The ``Exchange`` of ``buckets`` given the worker of each local matrix (−1: in one of
-  ``rounds``)."""
+                   leaves: list[LeafPlacement], workers: int, split: _Split | None = None,
+                   teams: list[list[tuple[int, int]]] | None = None) -> Exchange:
+  """The ``Exchange`` of ``buckets`` given the worker of each local matrix (−1: split over
+  a team) and each team's (bucket, matrix) pairs."""
   owned = [[[] for _ in buckets] for _ in range(workers)]
   start = 0
   for k, b in enumerate(buckets):
@@ -777,5 +864,23 @@ def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
     if program not in programs:
       programs.append(program)
     program_of.append(programs.index(program))
-  return Exchange(buckets, tuple(tuple(tuple(m) for m in mine) for mine in owned),
-                  tuple(programs), tuple(program_of), rounds)
+  exchange = Exchange(buckets, tuple(tuple(tuple(m) for m in mine) for mine in owned),
+                      tuple(programs), tuple(program_of))
+  if split is None:
+    return exchange
+  kinds = list(split.kinds)  # runs in the same order on every team: fewer programs
+  leaf_of = [[i for i in b.members for _ in range(leaves[i].local_batch)] for b in buckets]
+  team_runs = []
+  for pairs in teams:
+    runs: dict[tuple, list[int]] = {}
+    for b, j in sorted(pairs):
+      runs.setdefault((b, leaves[leaf_of[b][j]].signature), []).append(j)
+    team_runs.append(tuple(TeamRun(b, *split.kinds[(b, sig)][:2], tuple(js),
+                                   *split.kinds[(b, sig)][2:])
+                           for (b, sig), js in sorted(runs.items(),
+                                                      key=lambda kv: kinds.index(kv[0]))))
+  keys = [tuple(r.key for r in runs) for runs in team_runs]
+  team_programs = list(dict.fromkeys(keys))
+  return dataclasses.replace(exchange, team_size=split.size, teams=tuple(team_runs),
+                             team_programs=tuple(team_programs),
+                             team_program_of=tuple(team_programs.index(p) for p in keys))

@@ -65,30 +65,38 @@ def _placement(plan: Plan, index: int) -> str:
                  f"{'×'.join(group.replica_axes)}")
   head = (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
           f"{_plural(bucket.matrices, 'matrix', 'matrices')}, ")
-  round_ = _round_of(plan, index)
-  if round_ is not None:
-    return (head + f"split over teams of {round_.size} ({len(round_.matrices)} teams × "
-            f"{round_.per_team} of this kind)")
+  found = _team_run_of(plan, index)
+  if found is not None:
+    ex, _ = found
+    return head + f"split over teams of {ex.team_size} ({len(ex.teams)} teams of {group.workers})"
   counts = sorted({len(owned[k]) for owned in ex.owned})
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
   return head + f"{spread} whole per worker of {group.workers}"
 
 
-def _round_of(plan: Plan, index: int):
-  """The ``TeamRound`` that orthogonalizes plan leaf ``index``'s matrices, or None."""
+def _team_size(plan: Plan, index: int) -> int:
+  found = _team_run_of(plan, index)
+  return 1 if found is None else found[0].team_size
+
+
+def _team_run_of(plan: Plan, index: int):
+  """(exchange, a ``TeamRun``) of plan leaf ``index``'s matrices if teams orthogonalize
+  them, else None."""
   signature = plan.leaves[index].signature
-  return next((r for g in plan.groups for ex in g.exchanges for r in ex.rounds
-               if index in ex.buckets[r.bucket].members
+  return next(((ex, r) for g in plan.groups for ex in g.exchanges for runs in ex.teams
+               for r in runs if index in ex.buckets[r.bucket].members
                and plan.leaves[r.leaf].signature == signature), None)
 
 
 def _matrix_seconds(plan: Plan, index: int) -> float:
   """Modelled NS time of one of the leaf's matrices on the device(s) orthogonalizing it."""
   model = plan.cost_model or default_cost_model()
-  round_ = _round_of(plan, index)
-  if round_ is None:
+  found = _team_run_of(plan, index)
+  if found is None:
     return model.compute_seconds(plan.leaves[index].flops)
-  return round_.seconds(model) / round_.per_team
+  cost = found[1].cost
+  return model.compute_seconds(cost.flops) + sum(map(model.collective_seconds,
+                                                     cost.collective_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +261,7 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
               layout.n_in, layout.n_out, options.scale, consistent_rms=consistent_rms))),
           ns_flops=layout.batch * options.ns.flops(m, n, layout.dtype, options.ns_steps),
           placement=_placement(plan, plan_index[i]) if sharded else "",
-          team=(getattr(_round_of(plan, plan_index[i]), "size", 1) if sharded else None),
+          team=(_team_size(plan, plan_index[i]) if sharded else None),
           ns_seconds=_matrix_seconds(plan, plan_index[i]) if sharded else None)
     rows.append(row)
   summary = RoutingSummary(tuple(rows), plan, _notes(

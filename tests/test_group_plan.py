@@ -29,18 +29,25 @@ def _muon(model, dims=None, policy="split", **kw):
 
 
 def _rounds(plan):
-  return [r for g in plan.groups for ex in g.exchanges for r in ex.rounds]
+  """Every team run of the plan."""
+  return [r for g in plan.groups for ex in g.exchanges for runs in ex.teams for r in runs]
 
 
 def _check_compiled_is_the_plan(compiled, plan):
-  """Per device NS FLOPs, and the collectives inside NS loops, as the plan predicts."""
+  """Per device NS FLOPs, and the collectives inside NS loops, as the plan predicts: each
+  distinct team run (a run of each team program) loops over its steps with a reduce-scatter
+  and two all-gathers."""
   cost = hlo_cost.analyze(compiled, plan.device_count)
   assert (compiled_device_flops(cost, plan) == plan.device_ns_flops()).all()
   in_loop = [c for c in cost.collectives if c.in_loop]
-  rounds = _rounds(plan)
-  assert len(in_loop) == sum(r.cost.loop_collectives for r in rounds)
+  runs = [(key, ex) for g in plan.groups for ex in g.exchanges for p in ex.team_programs
+          for key in p]
+  expected = sum(ex.teams[ex.team_program_of.index(i)][0].cost.loop_collectives
+                 for g in plan.groups for ex in g.exchanges
+                 for i, p in enumerate(ex.team_programs) for _ in p)
+  assert runs and len(in_loop) == expected == 3 * len(runs)
   assert sorted(c.kind for c in in_loop) == sorted(
-      ["reduce-scatter", "all-gather", "all-gather"] * len(rounds))
+      ["reduce-scatter", "all-gather", "all-gather"] * len(runs))
   assert all(c.multiplicity == 5 for c in in_loop)  # one per NS step
 
 
