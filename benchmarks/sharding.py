@@ -249,6 +249,110 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
   return rows
 
 
+# Trees too large to compile here, planned from abstract shapes: (llama_tree's arguments,
+# mesh shape, mesh axis names, the FSDP axis; other axes hold replicas that split the work).
+LARGE_TREES = {
+    "Llama-7B-like (d 4096, GQA 32/8, SwiGLU 11008, 32 layers)":
+        (dict(d=4096, layers=32, heads=32, kv_heads=8, ffn=11008), (256,), ("fsdp",)),
+    "405B-like (d 16384, GQA 128/8, SwiGLU 53248, 126 layers)":
+        (dict(d=16384, layers=126, heads=128, kv_heads=8, ffn=53248), (64, 256),
+         ("replica", "fsdp")),
+}
+
+
+def llama_shapes(d: int, layers: int, heads: int, kv_heads: int, ffn: int) -> dict:
+  """The Muon matrices of ``llama_tree`` as abstract stacked leaves (L, n_in, n_out)."""
+  kv = kv_heads * d // heads
+  shapes = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "gate": (d, ffn),
+            "up": (d, ffn), "down": (ffn, d)}
+  return {name: jax.ShapeDtypeStruct((layers, *s), np.float32) for name, s in shapes.items()}
+
+
+def abstract_plans(leaves: dict, specs: dict, dims: dict, mesh_shape: tuple, names: tuple,
+                   ns, model) -> tuple:
+  """(whole-matrix plan, plan with teams under ``model``, seconds to build each) for
+  abstract ``leaves`` with PartitionSpecs ``specs`` on an abstract mesh."""
+  mesh = jax.sharding.AbstractMesh(mesh_shape, names)
+  layouts = [optax_muon.layout.make_layout(k, x, dims[k]) for k, x in leaves.items()]
+  shardings = [optax_muon.sharding.LeafSharding(
+      mesh, optax_muon.sharding.dim_axes_of(specs[k], len(x.shape))) for k, x in leaves.items()]
+  cost = lambda m, n, dtype: ns.flops(m, n, dtype, 5)
+  team_cost = lambda m, n, dtype, k: ns.team_cost(m, n, dtype, k, 5)
+  start = time.perf_counter()
+  whole = optax_muon.plan.build_plan(layouts, shardings, cost)
+  middle = time.perf_counter()
+  groups = optax_muon.plan.build_plan(layouts, shardings, cost,
+                                      optax_muon.ShardingOptions(cost_model=model),
+                                      team_cost=team_cost)
+  return whole, groups, middle - start, time.perf_counter() - middle
+
+
+def _teams(plan) -> str:
+  """The kinds teams orthogonalize, as "k=2: down, gate"."""
+  found = {}
+  for g in plan.groups:
+    for ex in g.exchanges:
+      for runs in ex.teams:
+        for r in runs:
+          found.setdefault(ex.team_size, set()).add(plan.leaves[r.leaf].layout.path)
+  return "; ".join(f"k={k}: {', '.join(sorted(p))}" for k, p in sorted(found.items())) or "—"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}/"))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def plan_only_rows(counts: tuple[int, ...], large: bool) -> list[dict]:
+  """Modelled NS time per step of the whole-matrix plan and of the plan with teams, under
+  the GPU and TPU profiles, NS in float32 and in bfloat16 (standard iteration, 5 steps)."""
+  cases = []
+  for name, params, dims, _ in trees(False):
+    leaves, flat_dims = _flat(params), _flat(dims)
+    muon = {k: jax.ShapeDtypeStruct(x.shape, x.dtype) for k, x in leaves.items()
+            if flat_dims[k] is not None}
+    for n in counts:
+      if name.startswith("MoE"):
+        expert = min(8, n // 2)
+        specs = _flat(moe_specs(params, "expert", "fsdp"))
+        mesh = ((expert, n // expert), ("expert", "fsdp"))
+      else:
+        specs, mesh = _flat(fsdp_specs(params, "fsdp")), ((n,), ("fsdp",))
+      cases.append((name, muon, {k: specs[k] for k in muon}, {k: flat_dims[k] for k in muon},
+                    *mesh))
+  if large:
+    for name, (args, mesh_shape, names) in LARGE_TREES.items():
+      muon = llama_shapes(**args)
+      cases.append((name, muon, {k: P(None, "fsdp", None) for k in muon},
+                    {k: optax_muon.MuonDimensionNumbers(1, 2) for k in muon}, mesh_shape,
+                    names))
+  rows = []
+  for name, muon, specs, dims, mesh_shape, names in cases:
+    for dtype in (None, "bfloat16"):
+      ns = optax_muon.NSOptions(method="standard", compute_dtype=dtype)
+      for profile in ("gpu", "tpu"):
+        model = optax_muon.PROFILES[profile]
+        whole, groups, _, seconds = abstract_plans(muon, specs, dims, mesh_shape, names, ns,
+                                                   model)
+        average = sum(p.layout.batch * p.flops for p in whole.leaves) / whole.device_count
+        rows.append({
+            "tree": name, "N": whole.device_count,
+            "mesh": " × ".join(f"{a} {n}" for a, n in whole.mesh_shape),
+            "NS dtype": dtype or "float32", "profile": profile,
+            "whole ms": whole.critical_seconds(model) * 1e3,
+            "teams ms": groups.critical_seconds(model) * 1e3,
+            "ratio": groups.critical_seconds(model) / whole.critical_seconds(model),
+            "whole FLOPs/avg": whole.critical_ns_flops() / average,
+            "teams FLOPs/avg": groups.critical_ns_flops() / average,
+            "teams": _teams(groups), "plan s": seconds})
+  return rows
+
+
 def replica_policy_timing(d: int, layers: int, repeats: int) -> list[dict]:
   """Step time of the two replica policies on replicated params (pure data parallel)."""
   from single_device import alternate  # noqa: PLC0415  (only this table needs timing)
@@ -289,7 +393,21 @@ def main(argv=None) -> list[dict]:
                       help="git revision of the previous plan; 'none' to skip")
   parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
                       help="comma-separated device counts (default 8,16,64)")
+  parser.add_argument("--plan-only", action="store_true",
+                      help="no compiling: model the whole-matrix plan and the plan with teams "
+                           "under the GPU and TPU profiles, on the trees above at --counts "
+                           "and on a 7B-like tree at 256 and a 405B-like tree at 16384 devices")
+  parser.add_argument("--no-large", action="store_true",
+                      help="with --plan-only: skip the two large trees")
   args = parser.parse_args(argv)
+  if args.plan_only:
+    rows = plan_only_rows(tuple(int(c) for c in args.counts.split(",")), not args.no_large)
+    print("modelled NS + exchange time per step of the busiest device: whole matrices vs "
+          "teams (standard NS, 5 steps); busiest NS FLOPs ÷ Σc/N; planning time")
+    print(table(rows, list(rows[0]), {
+        "whole ms": "{:.3g}", "teams ms": "{:.3g}", "ratio": "{:.2f}×",
+        "whole FLOPs/avg": "{:.2f}×", "teams FLOPs/avg": "{:.2f}×", "plan s": "{:.1f}"}))
+    return rows
   require_optax_contrib_muon()
   if args.devices is not None:
     rows = measure(args.devices, args.quick, not args.no_contrib)

@@ -25,6 +25,16 @@ chunks sized by the busiest owner. Workers owning the same sequence of matrix ki
 same program; distinct programs are the branches of one ``lax.switch`` on the worker index,
 each compiled with its own NS code, so an exchange is then re-dealt as two patterns (plus
 idle workers) where that costs neither FLOPs on the busiest device nor chunk size.
+
+Where devices outnumber matrices, one matrix's NS can be shared by a team of k workers
+(group NS, ``newton_schulz.MeshTeam``): each member gets about n/k of its columns, the
+Gram matrix is all-reduced within the team every step, and every NS FLOP is divided by k.
+The teams of an exchange are the blocks of k consecutive workers; a team's work is a
+``lax.switch`` branch all of its members take, so teams and whole-matrix owners coexist.
+Which kinds of matrices go to teams, and k, come from a ``CostModel``: the critical path
+of the whole tree (the busiest device's NS FLOPs, its team collectives and its
+all-to-alls) is modelled for every candidate, and whole matrices stay unless splitting
+shortens it (see ``_choose_teams``).
 """
 
 from __future__ import annotations
@@ -565,9 +575,9 @@ def _choose_teams(whole: Plan, plan_with: Callable[[dict], Plan], groups: list[G
         feasible = {}
         for key in order:
           leaf = kinds[key][0]
-          found = _split_dim(placements[leaf], size)
-          if found is not None:
-            dim, padded = found
+          cut = _split_dim(placements[leaf], size)
+          if cut is not None:
+            dim, padded = cut
             (m, n), extent = buckets[key[0]].shape, placements[leaf].local_shape[dim]
             block = math.prod(placements[leaf].piece_shape) // extent * padded // size
             feasible[key] = (leaf, dim, team_cost(m, n // extent * padded, buckets[key[0]].dtype,
@@ -581,9 +591,8 @@ def _choose_teams(whole: Plan, plan_with: Callable[[dict], Plan], groups: list[G
                            if key not in split.kinds)
           slowest = max([split.effective_flops(key, model) for key in split.kinds]
                         + [kinds[key][2] for key in order if key not in split.kinds])
-          replicas = group.workers // group.exchange_size if group.split else 1
           bound = max((team_work + whole_work) / group.workers, slowest) / rate
-          if bound >= min(best_seconds, limit) or replicas < 1:
+          if bound >= min(best_seconds, limit):
             continue
           plan = plan_with({**splits, (k, e): split})
           seconds = plan.critical_seconds(model)

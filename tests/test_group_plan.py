@@ -14,10 +14,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import hlo_cost
 import optax_muon as om
+import sharding
 import test_sharded as base
 from helpers import rel_err
 from optax_muon.plan import build_plan
 from sharding import compiled_device_flops
+from trees import moe_tree, stacked_dims
 
 FREE = om.CostModel(1e12, math.inf, 0.0)  # communication costs nothing
 PROHIBITIVE = om.CostModel(1e12, 1.0, 1.0)  # one byte per second, a second per collective
@@ -182,3 +184,54 @@ def test_gpt_on_64_devices_reaches_the_average_with_free_communication():
   assert out.returncode == 0, out.stderr[-3000:]
   ratio, whole_ratio, err = map(float, out.stdout.split()[-3:])
   assert whole_ratio > 6 and ratio <= 1.3 and err < 1e-5
+
+
+@pytest.mark.parametrize("dtype, method", [
+    (jnp.float32, "standard"),
+    pytest.param(jnp.float32, "gram", marks=pytest.mark.slow),
+    pytest.param(jnp.complex64, "standard", marks=pytest.mark.slow)])
+def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
+  """(40, 8) leaves FSDP-split on the long side (5 rows per device) and (8, 40) ones split
+  on the short side: teams of 2 get 3 of the 5 local rows (one zero-padded), and the
+  update still equals the single-device one, for both NS methods and complex leaves."""
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  key = jax.random.PRNGKey(0)
+  shapes = {"a": (40, 8), "b": (40, 8), "c": (40, 8), "d": (8, 40)}
+  params = {name: jax.random.normal(jax.random.fold_in(key, i), s, dtype)
+            for i, (name, s) in enumerate(shapes.items())}
+  grads = {name: jax.random.normal(jax.random.fold_in(key, 10 + i), x.shape, dtype)
+           for i, (name, x) in enumerate(params.items())}
+  specs = {"a": P("fsdp"), "b": P("fsdp"), "c": P("fsdp"), "d": P("fsdp")}
+  shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+  ns = om.NSOptions(method=method)
+  make = lambda model: om.scale_by_muon(ns_options=ns, sharding=om.ShardingOptions(
+      cost_model=model))
+  single = make(None)
+  expected, _ = single.update(grads, single.init(params), params)
+  tx = make(FREE)
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  sharded = put(params)
+  plan = om.summarize(sharded, tx).plan
+  split = {plan.leaves[r.leaf].layout.path: r for r in _rounds(plan)}
+  assert "a" in split and plan.leaves[split["a"].leaf].local_shape[0] % 2 == 1
+  with jax.set_mesh(mesh):
+    got, _ = jax.jit(tx.update)(put(grads), jax.jit(tx.init)(sharded), sharded)
+  base._compare(got, expected)
+
+
+def test_moe_plan_bytes_near_the_bound():
+  """MoE, 4 layers, 8 experts on expert 4 × fsdp 8 (32 devices), d = 256, planned from
+  abstract shapes: FLOPs at plain LPT's level and the busiest device's received bytes within
+  1.45× the byte bound."""
+  params = moe_tree(256, 4, heads=8, kv_heads=2, experts=8, expert_ffn=256)
+  dims = stacked_dims(params, adam=sharding.ADAM)
+  leaves, flat_dims = sharding._flat(params), sharding._flat(dims)
+  muon = {k: jax.ShapeDtypeStruct(x.shape, x.dtype) for k, x in leaves.items()
+          if flat_dims[k] is not None}
+  specs = sharding._flat(sharding.moe_specs(params, "expert", "fsdp"))
+  plan, _, _, _ = sharding.abstract_plans(
+      muon, {k: specs[k] for k in muon}, {k: flat_dims[k] for k in muon}, (4, 8),
+      ("expert", "fsdp"), base.STANDARD, om.PROFILES["cpu"])
+  bound = sharding.bounds(params, dims, 32)
+  assert plan.critical_ns_flops() == sharding.lpt_plan(plan).critical_ns_flops()
+  assert plan.device_received_bytes().max() <= 1.45 * bound["bytes"]
