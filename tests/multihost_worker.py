@@ -21,28 +21,32 @@ import optax_muon  # noqa: E402
 from trees import gpt_tree  # noqa: E402
 
 
-def main(port: str, process_id: int) -> None:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-  assert jax.device_count() == 8 and jax.local_device_count() == 4
-  params = jax.tree.map(np.asarray, gpt_tree(32, 4))
+def check(params, cost_model, process_id: int, name: str, interleave: bool = False) -> None:
+  """Two steps of Muon on FSDP over both processes' 8 devices == one process's update.
+  ``interleave``: mesh devices alternate between the processes (so that every team of
+  consecutive devices spans both)."""
   rng = np.random.default_rng(7)
   grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
            for _ in range(2)]
+  ns = optax_muon.NSOptions(method="standard")
 
   # Single-process reference on this process's first device.
-  tx_ref = optax_muon.muon(0.1, ns_options=optax_muon.NSOptions(method="standard"))
+  tx_ref = optax_muon.muon(0.1, ns_options=ns)
   state = tx_ref.init(params)
   for g in grads:
     reference, state = jax.jit(tx_ref.update)(g, state, params)
 
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  if interleave:
+    devices = [d for pair in zip(devices[:4], devices[4:]) for d in pair]
+  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",), axis_types=(AxisType.Explicit,))
   specs = jax.tree.map(lambda x: P("fsdp") if x.ndim == 2 else P(), params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(
       lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
       shardings)
-  tx = optax_muon.muon(0.1, ns_options=optax_muon.NSOptions(method="standard"))
+  tx = optax_muon.muon(0.1, ns_options=ns,
+                       sharding=optax_muon.ShardingOptions(cost_model=cost_model))
   sharded_params = put(params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded_params)
@@ -52,9 +56,28 @@ def main(port: str, process_id: int) -> None:
   worst = max(float(np.max(np.abs(a - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
               for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)))
   plan = optax_muon.summarize(sharded_params, tx).plan
-  print(f"MULTIHOST process {process_id}: max relative difference {worst:.2e}; "
-        f"plan on {plan.device_count} devices", flush=True)
+  teams = sum(len(ex.teams) for g in plan.groups for ex in g.exchanges)
+  sizes = sorted({ex.team_size for g in plan.groups for ex in g.exchanges if ex.teams})
+  print(f"MULTIHOST {name} process {process_id}: max relative difference {worst:.2e}; "
+        f"plan on {plan.device_count} devices, {teams} teams of {sizes}", flush=True)
   assert worst < 1e-5, worst
+  assert (teams > 0) == (name == "teams"), teams
+  if interleave:  # each team's devices belong to both processes
+    for g in plan.groups:
+      for ex in g.exchanges:
+        for t in range(len(ex.teams)):
+          members = devices[t * ex.team_size:(t + 1) * ex.team_size]
+          assert len({d.process_index for d in members}) == 2
+
+
+def main(port: str, process_id: int) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  assert jax.device_count() == 8 and jax.local_device_count() == 4
+  check(jax.tree.map(np.asarray, gpt_tree(32, 4)), None, process_id, "whole")
+  # One layer with free communication: teams split the matrices across the processes.
+  free = optax_muon.CostModel(1e12, float("inf"), 0.0)
+  check(jax.tree.map(np.asarray, gpt_tree(32, 1)), free, process_id, "teams", interleave=True)
   jax.distributed.shutdown()
 
 

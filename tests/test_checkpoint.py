@@ -14,11 +14,16 @@ from trees import gpt_tree, random_like
 pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
 
 
-@pytest.mark.parametrize("variants", [{}, {"normalization": om.NorMuon(),
-                                          "cautious_weight_decay": True}])
-def test_restore_continues_bit_identically(tmp_path, variants):
+# Free communication on one layer: matrices split over teams of devices.
+TEAMS = om.ShardingOptions(cost_model=om.CostModel(1e12, float("inf"), 0.0))
+
+
+@pytest.mark.parametrize("variants, layers", [
+    ({}, 4), ({"normalization": om.NorMuon(), "cautious_weight_decay": True}, 4),
+    ({"sharding": TEAMS}, 1)])
+def test_restore_continues_bit_identically(tmp_path, variants, layers):
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  params = gpt_tree(32, 4)
+  params = gpt_tree(32, layers)
   shardings = jax.tree.map(
       lambda x: NamedSharding(mesh, P("fsdp") if x.ndim == 2 else P()), params)
   params = jax.tree.map(jax.device_put, params, shardings)
@@ -27,6 +32,8 @@ def test_restore_continues_bit_identically(tmp_path, variants):
   tx = om.muon(optax.linear_schedule(0.05, 0.01, 4), weight_decay=0.01, mu_dtype="bfloat16",
                **variants)
 
+  plan = om.summarize(params, tx).plan
+  assert any(ex.teams for g in plan.groups for ex in g.exchanges) == ("sharding" in variants)
   with jax.set_mesh(mesh):
     update = jax.jit(lambda g, s, p: _apply(tx, g, s, p))
     state = jax.jit(tx.init)(params)

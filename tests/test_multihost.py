@@ -36,4 +36,5 @@ def test_two_processes_match_single_process():
       p.kill()
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, out[-3000:]
-    assert f"MULTIHOST process {i}: max relative difference" in out, out[-3000:]
+    for name in ("whole", "teams"):  # whole matrices, and matrices split over teams
+      assert f"MULTIHOST {name} process {i}: max relative difference" in out, out[-3000:]
