@@ -26,14 +26,23 @@ mesh gives the same program for optax_muon). Per device, per step, from the comp
   plan; XLA:CPU does not implement it);
 * temp: XLA's temp memory ÷ (per-device param bytes + max(Σ_j b_j / N, max_j b_j));
 * compile: seconds to lower and compile the update, and optax.contrib.muon's on the same
-  tree and mesh (caches cleared; the faster of two compiles each, alternating).
+  tree and mesh (caches cleared; the faster of two compiles each, alternating);
+* avg: the busiest device's NS FLOPs ÷ Σ_j c_j / N (the plan with the default cost model);
+  teams avg: the same with communication made free (``CostModel(1e12, inf, 0)``), where the
+  plan splits matrices over teams of devices; teams compile: that update's compile time.
 
 The "old" columns are measured from earlier code: ``--baseline REV`` (default: the last
-commit before the static per-tree spec and the option objects) is extracted with ``git
-archive`` and put first on the path of a second child process.
+commit before teams and the cost model) is extracted with ``git archive`` and put first on
+the path of a second child process.
 
-  python benchmarks/sharding.py           # 8, 16, 64 devices, this code and the baseline's
-  python benchmarks/sharding.py --quick   # CI: 8 devices, small trees, new plan only
+``--plan-only`` compiles nothing: it plans from abstract shapes and prints the modelled NS +
+all-to-all time of the busiest device per step, whole matrices vs teams, under the GPU and
+TPU profiles, for the trees above and for a Llama-7B-like tree on 256 devices and a
+405B-like tree on 16384 (``LARGE_TREES``).
+
+  python benchmarks/sharding.py              # 8, 16, 64 devices, this code and the baseline's
+  python benchmarks/sharding.py --quick      # CI: 8 devices, small trees, new plan only
+  python benchmarks/sharding.py --plan-only  # modelled times, up to 16384 devices
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BASELINE = "35fe8d1"  # the last commit before the static spec and the option objects
+BASELINE = "804d755"  # the last commit before group NS (teams) and the cost model
 COUNTS = (8, 16, 64)
 
 
@@ -162,16 +171,21 @@ def bounds(params, dims, n: int) -> dict:
       flops += [optax_muon.ns_flops(m, k, 5)] * layout.batch
       sizes += [4 * m * k] * layout.batch
   total_b = sum(sizes)
-  return {"flops": max(sum(flops) / n, max(flops)),
+  return {"flops": max(sum(flops) / n, max(flops)), "average": sum(flops) / n,
           "bytes": max(2 * (n - 1) / n**2 * total_b,
                        (n - 1) / n * max(sizes) + (n - 1) / n**2 * total_b),
           "fair bytes": max(total_b / n, max(sizes)),
           "chunk min": 2 * (n - 1) / n * max(total_b / n, max(sizes))}
 
 
-def _benchmarked_muon(dims, shardings):
-  """The measured optimizer: standard NS iteration, plan from ``shardings``; also with the
-  flat keywords of the code before the option objects (a ``--baseline`` checkout)."""
+def _benchmarked_muon(dims, shardings, cost_model=None):
+  """The measured optimizer: standard NS iteration, plan from ``shardings`` (and
+  ``cost_model``); also with the flat keywords of the code before the option objects (a
+  ``--baseline`` checkout)."""
+  if hasattr(optax_muon, "CostModel"):
+    return optax_muon.muon(0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings,
+                           ns_options=optax_muon.NSOptions(method="standard"),
+                           sharding=optax_muon.ShardingOptions(cost_model=cost_model))
   if hasattr(optax_muon, "NSOptions"):
     return optax_muon.muon(0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings,
                            ns_options=optax_muon.NSOptions(method="standard"))
@@ -240,6 +254,14 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
     if "lpt" in row:
       row["lpt"] /= bound["flops"]
       row["ragged"] /= bound["bytes"]
+    if hasattr(optax_muon, "CostModel"):  # teams, with communication made free
+      free = _benchmarked_muon(dims, shardings, optax_muon.CostModel(1e12, float("inf"), 0.0))
+      compiled_free, seconds, sharded = compile_update(free, params, shardings, mesh)
+      plan_free = optax_muon.summarize(sharded, free).plan
+      row["avg"] = row["flops"] * bound["flops"] / bound["average"]  # the same, ÷ Σc/N
+      row["teams avg"] = float(compiled_device_flops(
+          hlo_cost.analyze(compiled_free, n), plan_free).max()) / bound["average"]
+      row["teams compile"] = seconds
     txs = {"compile": tx}
     if contrib:
       txs["contrib compile"] = optax.contrib.muon(0.02,
@@ -435,11 +457,13 @@ def main(argv=None) -> list[dict]:
     r["old compile"] = old["compile"] if old else float("nan")
   columns = ["tree", "mesh", "N", "old flops", "flops", "lpt", "old bytes", "bytes",
              "chunks", "ragged", "old temp", "temp", "branches", "old compile", "compile",
-             "contrib compile"]
+             "contrib compile", "avg", "teams avg", "teams compile"]
   formats = {c: "{:.2f}×" for c in ("old flops", "flops", "lpt", "old bytes", "bytes",
-                                     "chunks", "ragged", "old temp", "temp")}
+                                     "chunks", "ragged", "old temp", "temp", "avg",
+                                     "teams avg")}
   formats["branches"] = "{}"
-  formats.update({c: "{:.1f} s" for c in ("old compile", "compile", "contrib compile")})
+  formats.update({c: "{:.1f} s" for c in ("old compile", "compile", "contrib compile",
+                                          "teams compile")})
   print("per device, per step: critical NS FLOPs ÷ LB (baseline, this code, "
         "FLOPs-only LPT), critical received bytes ÷ LB, temp ÷ (param shard + fair share), "
         "compile time of the update vs optax.contrib.muon's")
