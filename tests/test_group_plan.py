@@ -58,10 +58,10 @@ def _check_compiled_is_the_plan(compiled, plan):
 GROUP_CASES = ["fsdp8", "fsdp4xtp2", "dp2xfsdp4-split", "dp2xfsdp4-redundant"]
 
 
-@pytest.mark.parametrize("axis_type", [
-    AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("case", [
-    GROUP_CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in GROUP_CASES[1:])])
+@pytest.mark.parametrize("case, axis_type", [
+    (GROUP_CASES[0], AxisType.Explicit),
+    pytest.param(GROUP_CASES[0], AxisType.Auto, marks=pytest.mark.slow),
+    *(pytest.param(c, AxisType.Explicit, marks=pytest.mark.slow) for c in GROUP_CASES[1:])])
 def test_groups_equal_single_device(case, axis_type):
   shape, names, _, specs_fn, policy = base.CASES[case]
   params, dims = base._tree(1)
