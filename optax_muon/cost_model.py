@@ -58,18 +58,22 @@ class CostModel:
     return self.collective_latency + received_bytes / self.bytes_per_second
 
 
-#: Named profiles: ``"cpu"``, ``"gpu"``, ``"tpu"``. Round public peak figures (dense matmul
-#: throughput, per-device collective bandwidth, a typical small-collective latency), not
-#: measurements; give your own ``CostModel`` for a measured machine.
-PROFILES = {
+class _ProfileTable(dict):
+  """Named ``CostModel`` profiles: ``"cpu"``, ``"gpu"``, ``"tpu"``. Round public peak
+  figures (dense matmul throughput, per-device collective bandwidth, a typical
+  small-collective latency), not measurements; give your own ``CostModel`` for a measured
+  machine."""
+
+
+PROFILES = _ProfileTable({
     # A server CPU core group: ~1 TFLOP/s f32, collectives through shared memory.
     "cpu": CostModel(1e12, 20e9, 20e-6),
-    # NVIDIA H100/H200 SXM: ~990 TFLOP/s dense bf16 (~60 f32 without TF32), NVLink 450 GB/s
-    # per direction.
+    # NVIDIA H100/H200 SXM: ~990 TFLOP/s dense bf16 and ~495 TF32 at peak (400: what a
+    # large matmul reaches), NVLink 450 GB/s per direction.
     "gpu": CostModel(400e12, 450e9, 10e-6),
-    # TPU v5p: 459 TFLOP/s bf16, ICI ~100 GB/s per link direction (several links per chip).
+    # TPU v5p: 459 TFLOP/s bf16; ICI ~600 GB/s per chip over its links (300: one direction).
     "tpu": CostModel(459e12, 300e9, 5e-6),
-}
+})
 
 
 def default_cost_model(devices=None) -> CostModel:
