@@ -254,7 +254,7 @@ def measure(n: int, quick: bool, contrib: bool) -> list[dict]:
     if "lpt" in row:
       row["lpt"] /= bound["flops"]
       row["ragged"] /= bound["bytes"]
-    if hasattr(optax_muon, "CostModel"):  # teams, with communication made free
+    if hasattr(optax_muon, "CostModel") and not quick:  # teams, with free communication
       free = _benchmarked_muon(dims, shardings, optax_muon.CostModel(1e12, float("inf"), 0.0))
       compiled_free, seconds, sharded = compile_update(free, params, shardings, mesh)
       plan_free = optax_muon.summarize(sharded, free).plan
@@ -455,6 +455,8 @@ def main(argv=None) -> list[dict]:
     r["old bytes"] = old["bytes"] if old else float("nan")
     r["old temp"] = old["temp"] if old else float("nan")
     r["old compile"] = old["compile"] if old else float("nan")
+    for column in ("avg", "teams avg", "teams compile"):  # not measured with --quick
+      r.setdefault(column, float("nan"))
   columns = ["tree", "mesh", "N", "old flops", "flops", "lpt", "old bytes", "bytes",
              "chunks", "ragged", "old temp", "temp", "branches", "old compile", "compile",
              "contrib compile", "avg", "teams avg", "teams compile"]

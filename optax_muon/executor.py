@@ -1,4 +1,5 @@
-"""The orthogonalize stage: runs the plan, whole matrices to their owners, NS there, back.
+"""The orthogonalize stage: runs the plan, whole matrices to their owners (or column blocks to
+the members of a team), NS there, back.
 
 The one way NS is run on a tree. ``orthogonalize`` takes every Muon leaf: the trivial group
 (leaves without shardings: one worker, no exchange) runs on the arrays as they are; the

@@ -30,15 +30,14 @@ def main():
   plan = om.summarize(sharded, tx).plan
   average = sum(p.layout.batch * p.flops for p in plan.leaves) / n
   with jax.set_mesh(mesh):
-    update = jax.jit(tx.update)
     state = jax.jit(tx.init)(sharded)
-    got, _ = update(put(grads), state, sharded)
-    compiled = update.lower(put(grads), state, sharded).compile()
+    compiled = jax.jit(tx.update).lower(put(grads), state, sharded).compile()
+    got, _ = compiled(put(grads), state, sharded)
   flops = compiled_device_flops(hlo_cost.analyze(compiled, n), plan)
   assert (flops == plan.device_ns_flops()).all()
   whole = max(p.flops for p in plan.leaves)  # the whole-matrix plan's floor
   single = om.muon(0.02, muon_weight_dimension_numbers=dims, ns_options=ns)
-  expected, _ = single.update(grads, single.init(params), params)
+  expected, _ = jax.jit(single.update)(grads, single.init(params), params)
   err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
   print(float(flops.max()) / average, whole / average, float(np.asarray(err)))
 

@@ -55,7 +55,7 @@ def _check_compiled_is_the_plan(compiled, plan):
 
 # One layer (4 d × d and 2 d × 4d matrices on 8 workers): whole matrices leave the busiest
 # device at the largest matrix, so splitting pays when communication is free.
-GROUP_CASES = ["fsdp8", "fsdp4xtp2", "dp2xfsdp4-split", "dp2xfsdp4-redundant"]
+GROUP_CASES = ["fsdp8", "fsdp4xtp2", "dp2xfsdp4-split"]
 
 
 @pytest.mark.parametrize("case, axis_type", [
@@ -80,10 +80,10 @@ def test_groups_equal_single_device(case, axis_type):
       om.ShardingOptions(replica_policy=policy)).critical_ns_flops()
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded)
-    update = jax.jit(tx.update)
+    update = jax.jit(tx.update).lower(put(grads[0]), state, sharded).compile()
+    _check_compiled_is_the_plan(update, plan)
     for t in range(2):
       updates, state = update(put(grads[t]), state, sharded)
-    _check_compiled_is_the_plan(update.lower(put(grads[0]), state, sharded).compile(), plan)
   base._compare(updates, reference)
   for u, s in zip(jax.tree.leaves(updates), jax.tree.leaves(shardings)):
     assert u.sharding.is_equivalent_to(s, u.ndim)
@@ -187,9 +187,7 @@ def test_gpt_on_64_devices_reaches_the_average_with_free_communication():
 
 
 @pytest.mark.parametrize("dtype, method", [
-    (jnp.float32, "standard"),
-    pytest.param(jnp.float32, "gram", marks=pytest.mark.slow),
-    pytest.param(jnp.complex64, "standard", marks=pytest.mark.slow)])
+    (jnp.float32, "standard"), pytest.param(jnp.complex64, "gram", marks=pytest.mark.slow)])
 def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
   """(40, 8) leaves FSDP-split on the long side (5 rows per device) and (8, 40) ones split
   on the short side: teams of 2 get 3 of the 5 local rows (one zero-padded), and the
