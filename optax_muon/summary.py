@@ -68,7 +68,8 @@ def _placement(plan: Plan, index: int) -> str:
   found = _team_run_of(plan, index)
   if found is not None:
     ex, _ = found
-    return head + f"split over teams of {ex.team_size} ({len(ex.teams)} teams of {group.workers})"
+    return head + (f"split over teams of {ex.team_size} ({len(ex.teams)} teams among "
+                   f"{group.workers} workers)")
   counts = sorted({len(owned[k]) for owned in ex.owned})
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
   return head + f"{spread} whole per worker of {group.workers}"
