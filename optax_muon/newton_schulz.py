@@ -419,8 +419,8 @@ def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_
               compute_dtype=jnp.float32, team: int = 1) -> bool:
   """Whether ``method`` runs the Gram iteration on an m × n matrix (on a team of ``team``).
 
-  ``"auto"`` chooses it where it needs fewer FLOPs per device and the products run in float32 or wider
-  (in bf16 the Gram matrix's rounding error is squared into the result: measured 3e-2 vs
+  ``"auto"`` chooses it where it needs fewer FLOPs per device and the products run in
+  float32 or wider (in bf16 the Gram matrix's rounding error is squared into the result: measured 3e-2 vs
   1e-2 for the standard iteration).
 
   Raises:

@@ -125,6 +125,16 @@ class TeamCost:
   collective_bytes: tuple[int, ...]
   loop_collectives: int
 
+  def collective_seconds(self, model: CostModel, matrices: int = 1) -> float:
+    """Modelled time of its collectives for ``matrices`` matrices run as one batch (each
+    collective carries all of them)."""
+    return sum(model.collective_seconds(matrices * b) for b in self.collective_bytes)
+
+  def seconds(self, model: CostModel, matrices: int = 1) -> float:
+    """Modelled time of ``matrices`` matrices run as one batch: FLOPs and collectives."""
+    return (model.compute_seconds(matrices * self.flops)
+            + self.collective_seconds(model, matrices))
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingOptions:

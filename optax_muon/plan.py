@@ -179,8 +179,7 @@ class TeamRun:
 
   def collective_seconds(self, model: CostModel) -> float:
     """Modelled time of its collectives (each carries all of the run's matrices)."""
-    return sum(model.collective_seconds(len(self.matrices) * b)
-               for b in self.cost.collective_bytes)
+    return self.cost.collective_seconds(model, len(self.matrices))
 
 
 # A team's program: its runs' keys, in order.
@@ -217,13 +216,16 @@ class Exchange:
     return [sum(len(mine) * b.piece_size(exchange_size) for mine, b in zip(owned, self.buckets))
             for owned in self.owned]
 
+  def _per_worker(self, per_run) -> np.ndarray:
+    """Per worker, the sum of ``per_run(run)`` over its team's runs (0 without teams)."""
+    per_team = [sum(per_run(r) for r in runs) for runs in self.teams] or [0]
+    return np.asarray(per_team)[np.arange(len(self.owned)) // self.team_size
+                                if self.teams else np.zeros(len(self.owned), np.int64)]
+
   def team_elements(self, exchange_size: int) -> list[int]:
     """Per worker, the elements each device sends it for its team's runs."""
-    if not self.teams:
-      return [0] * len(self.owned)
     del exchange_size  # the runs know their blocks
-    per_team = [sum(len(r.matrices) * r.block for r in runs) for runs in self.teams]
-    return [per_team[w // self.team_size] for w in range(len(self.owned))]
+    return self._per_worker(lambda r: len(r.matrices) * r.block).tolist()
 
   def owned_elements(self, exchange_size: int) -> list[int]:
     """Per worker, the elements each device sends it."""
@@ -248,18 +250,11 @@ class Exchange:
 
   def worker_team_flops(self) -> np.ndarray:
     """Per worker, its NS FLOPs in its team."""
-    if not self.teams:
-      return np.zeros(len(self.owned), np.int64)
-    per_team = np.asarray([sum(r.flops for r in runs) for runs in self.teams], np.int64)
-    return per_team[np.arange(len(self.owned)) // self.team_size]
+    return self._per_worker(lambda r: r.flops).astype(np.int64)
 
   def worker_team_collective_seconds(self, model: CostModel) -> np.ndarray:
     """Per worker, the modelled time of its team's collectives."""
-    if not self.teams:
-      return np.zeros(len(self.owned))
-    per_team = np.asarray([sum(r.collective_seconds(model) for r in runs)
-                           for runs in self.teams])
-    return per_team[np.arange(len(self.owned)) // self.team_size]
+    return self._per_worker(lambda r: r.collective_seconds(model)).astype(np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +393,8 @@ class Plan:
 
   def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
     """Modelled NS and exchange time of each device per step, as an array of the mesh's
-    shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its all-to-alls (and replica all-gathers).
+    shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its
+    all-to-alls (and replica all-gathers).
 
     Args:
       model: the cost model; ``None`` takes the plan's (or, if none, the default profile).
@@ -529,9 +525,7 @@ class _Split:
 
   def effective_flops(self, kind: tuple, model: CostModel) -> float:
     """A member's time for one matrix of ``kind``, in FLOPs (its collectives included)."""
-    cost = self.kinds[kind][2]
-    return cost.flops + model.flops_per_second * sum(
-        model.collective_seconds(b) for b in cost.collective_bytes)
+    return self.kinds[kind][2].seconds(model) * model.flops_per_second
 
 
 # A split must shorten the modelled critical path by more than this fraction to be taken.
@@ -842,28 +836,30 @@ def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
                    teams: list[list[tuple[int, int]]] | None = None) -> Exchange:
   """The ``Exchange`` of ``buckets`` given the worker of each local matrix (−1: split over
   a team) and each team's (bucket, matrix) pairs."""
+  # Per bucket, the leaf of each local matrix.
+  leaf_of = [[i for i in b.members for _ in range(leaves[i].local_batch)] for b in buckets]
   owned = [[[] for _ in buckets] for _ in range(workers)]
   start = 0
   for k, b in enumerate(buckets):
-    leaf_of = [i for i in b.members for _ in range(leaves[i].local_batch)]
     signatures = list(dict.fromkeys(leaves[i].signature for i in b.members))
     order = sorted(range(b.matrices),
-                   key=lambda j: (signatures.index(leaves[leaf_of[j]].signature), j))
+                   key=lambda j: (signatures.index(leaves[leaf_of[k][j]].signature), j))
     for j in order:
       if owner[start + j] >= 0:
         owned[owner[start + j]][k].append(j)
     start += b.matrices
+  # Per bucket, the first leaf of each signature: the one a program names.
+  representative = [{} for _ in buckets]
+  for k, b in enumerate(buckets):
+    for i in b.members:
+      representative[k].setdefault(leaves[i].signature, i)
   programs, program_of = [], []
   for mine in owned:
     program = []
-    for k, b in enumerate(buckets):
-      leaf_of = [i for i in b.members for _ in range(leaves[i].local_batch)]
-      representative = {}
-      for i in b.members:
-        representative.setdefault(leaves[i].signature, i)
+    for k in range(len(buckets)):
       runs: list[list[int]] = []
       for j in mine[k]:
-        rep = representative[leaves[leaf_of[j]].signature]
+        rep = representative[k][leaves[leaf_of[k][j]].signature]
         if runs and runs[-1][0] == rep:
           runs[-1][1] += 1
         else:
@@ -878,7 +874,6 @@ def _make_exchange(buckets: tuple[Bucket, ...], owner: list[int],
   if split is None:
     return exchange
   kinds = list(split.kinds)  # runs in the same order on every team: fewer programs
-  leaf_of = [[i for i in b.members for _ in range(leaves[i].local_batch)] for b in buckets]
   team_runs = []
   for pairs in teams:
     runs: dict[tuple, list[int]] = {}

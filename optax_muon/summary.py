@@ -52,8 +52,9 @@ def _plural(count: int, one: str, many: str) -> str:
   return f"{count} {one if count == 1 else many}"
 
 
-def _placement(plan: Plan, index: int) -> str:
-  """Where plan leaf ``index``'s matrices are orthogonalized, in words."""
+def _placement(plan: Plan, index: int, team_run) -> str:
+  """Where plan leaf ``index``'s matrices are orthogonalized, in words; ``team_run`` is
+  ``_team_run_of(plan, index)``."""
   group = next(g for g in plan.groups if any(index in b.members for b in g.buckets))
   bucket = next(b for b in group.buckets if index in b.members)
   ex = next(e for e in group.exchanges if bucket in e.buckets)
@@ -65,19 +66,13 @@ def _placement(plan: Plan, index: int) -> str:
                  f"{'×'.join(group.replica_axes)}")
   head = (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
           f"{_plural(bucket.matrices, 'matrix', 'matrices')}, ")
-  found = _team_run_of(plan, index)
-  if found is not None:
-    ex, _ = found
+  if team_run is not None:
+    ex, _ = team_run
     return head + (f"split over teams of {ex.team_size} ({len(ex.teams)} teams among "
                    f"{group.workers} workers)")
   counts = sorted({len(owned[k]) for owned in ex.owned})
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
   return head + f"{spread} whole per worker of {group.workers}"
-
-
-def _team_size(plan: Plan, index: int) -> int:
-  found = _team_run_of(plan, index)
-  return 1 if found is None else found[0].team_size
 
 
 def _team_run_of(plan: Plan, index: int):
@@ -89,15 +84,13 @@ def _team_run_of(plan: Plan, index: int):
                and plan.leaves[r.leaf].signature == signature), None)
 
 
-def _matrix_seconds(plan: Plan, index: int) -> float:
-  """Modelled NS time of one of the leaf's matrices on the device(s) orthogonalizing it."""
+def _matrix_seconds(plan: Plan, index: int, team_run) -> float:
+  """Modelled NS time of one of the leaf's matrices on the device(s) orthogonalizing it;
+  ``team_run`` is ``_team_run_of(plan, index)``."""
   model = plan.cost_model or default_cost_model()
-  found = _team_run_of(plan, index)
-  if found is None:
+  if team_run is None:
     return model.compute_seconds(plan.leaves[index].flops)
-  cost = found[1].cost
-  return model.compute_seconds(cost.flops) + sum(map(model.collective_seconds,
-                                                     cost.collective_bytes))
+  return team_run[1].cost.seconds(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,14 +249,15 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
     if layout is not None:
       m, n = layout.ns_shape
       sharded = i in plan_index and plan.leaves[plan_index[i]].sharding is not None
+      team_run = _team_run_of(plan, plan_index[i]) if sharded else None
       row = dataclasses.replace(
           row, ns_matrix=(m, n), batch=layout.batch,
           scale=(None if options.consistent_rms == "injected" else float(scale_factor(
               layout.n_in, layout.n_out, options.scale, consistent_rms=consistent_rms))),
           ns_flops=layout.batch * options.ns.flops(m, n, layout.dtype, options.ns_steps),
-          placement=_placement(plan, plan_index[i]) if sharded else "",
-          team=(_team_size(plan, plan_index[i]) if sharded else None),
-          ns_seconds=_matrix_seconds(plan, plan_index[i]) if sharded else None)
+          placement=_placement(plan, plan_index[i], team_run) if sharded else "",
+          team=(1 if team_run is None else team_run[0].team_size) if sharded else None,
+          ns_seconds=_matrix_seconds(plan, plan_index[i], team_run) if sharded else None)
     rows.append(row)
   summary = RoutingSummary(tuple(rows), plan, _notes(
       options, rows, [p.role for p in projections if p is not None]))
