@@ -149,15 +149,19 @@ def trees(quick: bool) -> list[tuple]:
            stacked_dims(moe, adam=ADAM), stacked_dims(moe, adam=ADAM, contrib=True))]
 
 
-def mesh_for(name: str, n: int):
-  """The tree's mesh (Auto axes) and its specs function."""
+def mesh_layout(name: str, n: int):
+  """The tree's mesh shape and axis names on ``n`` devices, and its specs function."""
   if name.startswith("MoE"):
     expert = min(8, n // 2)
-    mesh = jax.make_mesh((expert, n // expert), ("expert", "fsdp"),
-                         axis_types=(AxisType.Auto,) * 2)
-    return mesh, lambda p: moe_specs(p, "expert", "fsdp"), f"expert {expert} × fsdp {n // expert}"
-  mesh = jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,))
-  return mesh, lambda p: fsdp_specs(p, "fsdp"), f"fsdp {n}"
+    return (expert, n // expert), ("expert", "fsdp"), lambda p: moe_specs(p, "expert", "fsdp")
+  return (n,), ("fsdp",), lambda p: fsdp_specs(p, "fsdp")
+
+
+def mesh_for(name: str, n: int):
+  """The tree's mesh (Auto axes), its specs function and the mesh in words."""
+  shape, names, specs_fn = mesh_layout(name, n)
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  return mesh, specs_fn, " × ".join(f"{a} {size}" for a, size in zip(names, shape))
 
 
 def bounds(params, dims, n: int) -> dict:
@@ -339,14 +343,10 @@ def plan_only_rows(counts: tuple[int, ...], large: bool) -> list[dict]:
     muon = {k: jax.ShapeDtypeStruct(x.shape, x.dtype) for k, x in leaves.items()
             if flat_dims[k] is not None}
     for n in counts:
-      if name.startswith("MoE"):
-        expert = min(8, n // 2)
-        specs = _flat(moe_specs(params, "expert", "fsdp"))
-        mesh = ((expert, n // expert), ("expert", "fsdp"))
-      else:
-        specs, mesh = _flat(fsdp_specs(params, "fsdp")), ((n,), ("fsdp",))
+      shape, names, specs_fn = mesh_layout(name, n)
+      specs = _flat(specs_fn(params))
       cases.append((name, muon, {k: specs[k] for k in muon}, {k: flat_dims[k] for k in muon},
-                    *mesh))
+                    shape, names))
   if large:
     for name, (args, mesh_shape, names) in LARGE_TREES.items():
       muon = llama_shapes(**args)
