@@ -343,6 +343,8 @@ def orthogonalize(xs: list[jax.Array], spec: TreeSpec, ns: NSFunction) -> list[j
     with no elements come back as they are.
   """
   out = list(xs)
+  if spec.plan is None:  # no Muon leaf with an element
+    return out
   planned = [xs[k] for k in spec.planned]
   for k, y in zip(spec.planned, _run_plan(planned, spec.plan, ns, spec.manual)):
     out[k] = y
