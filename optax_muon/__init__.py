@@ -6,6 +6,9 @@ of their ``optax.contrib`` namesakes; this package's own options come as the obj
 ``NSOptions``, ``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
 Newton–Schulz: ``newton_schulz`` with the coefficient presets in ``PRESET_NAMES`` or a
 generated ``polar_express_coefficients`` table, and ``msign``, its SVD reference.
+Routing (``Routing``, ``route``): embeddings, output heads, biases and vectors to AdamW;
+attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax, Equinox), your own
+``LayoutRule``s, or logical axis names (``infer_dimension_numbers``).
 ``summarize`` shows where every leaf goes; ``diagnostics`` gives per-step scalars to log.
 ``qk_clip`` (MuonClip) caps attention logits by rescaling query and key heads.
 """
@@ -16,10 +19,11 @@ from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express
 from optax_muon.cost_model import PROFILES, CostModel, default_cost_model
 from optax_muon.diagnostics import diagnostics
 from optax_muon.layout import MuonDimensionNumbers
+from optax_muon.layouts import KNOWN_LAYOUTS, LOGICAL_AXIS_ROLES, LayoutRule
 from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz, ns_flops
 from optax_muon.options import DEFAULT_ADAM_PATTERN, NorMuon, NSOptions, Routing, ShardingOptions
 from optax_muon.qk_clip import QKClip, QKClipHeads, qk_clip
-from optax_muon.routing import Reason, Route, route
+from optax_muon.routing import Reason, Route, infer_dimension_numbers, route
 from optax_muon.scaling import scale_factor
 from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
 from optax_muon.summary import LeafSummary, RoutingSummary, summarize
@@ -31,6 +35,9 @@ __version__ = "0.2.0"
 __all__ = [
     "CostModel",
     "DEFAULT_ADAM_PATTERN",
+    "KNOWN_LAYOUTS",
+    "LOGICAL_AXIS_ROLES",
+    "LayoutRule",
     "LeafSummary",
     "MuonDimensionNumbers",
     "MuonOptions",
@@ -52,6 +59,7 @@ __all__ = [
     "add_cautious_decayed_weights",
     "default_cost_model",
     "diagnostics",
+    "infer_dimension_numbers",
     "msign",
     "muon",
     "newton_schulz",

@@ -18,6 +18,8 @@ from optax_muon.routing import ADAM, MUON
 from optax_muon.scaling import check_shape_scale
 from optax_muon.sharding import inside_shard_map, place_like_params
 from optax_muon.spec import MuonOptions, tree_spec
+from optax_muon.tree_utils import check_same_shapes
+from optax_muon.user_warnings import OncePerTransformation
 from optax_muon.transform import (MuonHyperparams, MuonState, muon_transformation,
                                   resolve_muon_arguments, static_or_injected)
 from optax_muon.weight_decay import add_cautious_decayed_weights
@@ -162,6 +164,8 @@ def muon(
   """
   coefficients = resolve_muon_arguments(ns_coeffs, ns_steps, beta, eps, momentum,
                                         preconditioning)
+  check_number("learning_rate", learning_rate, 0.0)
+  check_number("adam_learning_rate", adam_learning_rate, 0.0)
   check_number("adam_b1", adam_b1, 0.0, 1.0)
   check_number("adam_b2", adam_b2, 0.0, 1.0)
   check_number("weight_decay", weight_decay, 0.0)
@@ -199,21 +203,33 @@ def muon(
                        lambda params: tree_spec(params, options).labels(params))
   if qk_clip is not None:
     tx = then_clip(tx, qk_clip.transformation())
-  return _adam_state_placed(tx, options)
+  return _checked_and_placed(tx, options)
 
 
-def _adam_state_placed(tx: optax.GradientTransformation, options: MuonOptions
-                       ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` whose ``init`` puts AdamW's moments where their params live (Muon's state is
-  made in place): on an Auto mesh, ``jax.jit(tx.init)`` would otherwise replicate them."""
+def _checked_and_placed(tx: optax.GradientTransformation, options: MuonOptions
+                        ) -> optax.GradientTransformationExtraArgs:
+  """``tx`` whose ``init`` warns (once) about what the routing did that the user may not
+  expect and puts AdamW's moments where their params live, and whose ``update`` names the
+  leaf whose gradient does not fit its param.
+
+  Muon's state is made in place; AdamW's would be replicated by ``jax.jit(tx.init)`` on an
+  Auto mesh.
+  """
   tx = optax.with_extra_args_support(tx)
+  warnings = OncePerTransformation()
 
   def init_fn(params):
+    spec = tree_spec(params, options)
+    warnings.warn(spec.notices)
     state = tx.init(params)
     if options.param_shardings is None or inside_shard_map():
       return state
-    spec = tree_spec(params, options)
     return place_like_params(state, params, [None if leaf is None else leaf.sharding
                                              for leaf in spec.leaves], keep=MuonState)
 
-  return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is not None:
+      check_same_shapes(updates, params, "the param")
+    return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -17,6 +17,7 @@ import numpy as np
 
 from optax_muon import tree_utils
 from optax_muon.cost_model import CostModel
+from optax_muon.layouts import HEADS, KNOWN_LAYOUTS, LayoutRule
 from optax_muon.newton_schulz import (GRAM_RESTART, METHODS, ns_flops, ns_orientation,
                                       team_collectives, uses_gram)
 
@@ -199,23 +200,41 @@ def _is_label(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Which leaves ``muon`` sends to Muon and which to AdamW (see ``routing.route``).
+  """Which leaves ``muon`` sends to Muon and which to AdamW, and how a Muon leaf is read as
+  matrices (see ``routing.route`` and the layouts page of the docs).
 
   Attributes:
     labels: ``"muon"``/``"adam"`` per leaf: a tree, prefix tree, single label or callable
       ``params -> such a tree``; overrides every other rule.
-    adam_pattern: a regular expression searched in each leaf's path: under the default rule,
-      2-D leaves that match go to AdamW (embeddings, output heads); ``None`` disables it
-      (optax.contrib's every-2-D rule).
+    adam_pattern: a regular expression searched in each leaf's path: leaves that match go
+      to AdamW (embeddings, output heads); ``None`` disables it.
+    biases: biases go to AdamW: leaves named ``bias``, ``b``, ``*_bias``, and leaves beside
+      a kernel (``kernel``, ``w``, ``weight``) whose shape ends with theirs (the
+      (heads, head_dim) biases of Flax's attention).
+    layouts: the ``LayoutRule``s that say how ≥3-D (and Equinox's) kernels are read as
+      matrices; the first rule that matches a leaf applies. ``KNOWN_LAYOUTS`` (Gemma, Flax
+      attention, Equinox) by default; put your own first:
+      ``layouts=(LayoutRule(...), *optax_muon.KNOWN_LAYOUTS)``.
+    heads: attention heads in a layout rule or logical names: ``"whole"`` orthogonalizes
+      the whole d_model × heads·head_dim projection (Moonlight, Kimi K2), ``"per_head"``
+      each head's own matrix.
+
+  With ``Routing(adam_pattern=None, biases=False, layouts=())`` every floating 2-D leaf
+  goes to Muon and every other leaf to AdamW, as in ``optax.contrib.muon``.
 
   Examples:
     >>> import optax_muon
     >>> optax_muon.Routing(labels={"w": "muon", "b": "adam"}).adam_pattern is not None
     True
+    >>> optax_muon.Routing(heads="per_head").layouts == optax_muon.KNOWN_LAYOUTS
+    True
   """
 
   labels: Any = None
   adam_pattern: str | None = DEFAULT_ADAM_PATTERN
+  biases: bool = True
+  layouts: tuple[LayoutRule, ...] = KNOWN_LAYOUTS
+  heads: str = "whole"
 
   def __post_init__(self):
     object.__setattr__(self, "labels", tree_utils.freeze_prefix(
@@ -223,6 +242,21 @@ class Routing:
     if self.adam_pattern is not None and not isinstance(self.adam_pattern, str):
       raise ValueError(f"Routing.adam_pattern must be a regular expression (str) or None, "
                        f"got {self.adam_pattern!r}.")
+    if not isinstance(self.biases, bool):
+      raise ValueError(f"Routing.biases must be True or False, got {self.biases!r}.")
+    if isinstance(self.layouts, LayoutRule) or not all(
+        isinstance(r, LayoutRule) for r in _iterable(self.layouts)):
+      raise ValueError(f"Routing.layouts must be a sequence of optax_muon.LayoutRule, got "
+                       f"{self.layouts!r}.")
+    object.__setattr__(self, "layouts", tuple(self.layouts))
+    _choice("Routing", "heads", self.heads, HEADS)
+
+
+def _iterable(x: Any) -> tuple:
+  try:
+    return tuple(x)
+  except TypeError:
+    return (None,)
 
 
 def check_option(name: str, value: Any, kind: type, default: Any = None) -> Any:

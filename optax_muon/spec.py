@@ -31,7 +31,7 @@ from optax_muon import tree_utils
 from optax_muon.layout import MatrixLayout, is_dimension_numbers, make_layout
 from optax_muon.options import NorMuon, NSOptions, Routing, ShardingOptions
 from optax_muon.plan import Plan, build_plan
-from optax_muon.routing import MUON, Reason, Route, decide
+from optax_muon.routing import MUON, Reason, Route, decide, degenerate_notice
 from optax_muon.sharding import (LeafSharding, inside_shard_map, is_sharding_value,
                                  leaf_sharding, resolve_param_shardings, typed_sharding,
                                  warn_if_left_to_the_partitioner)
@@ -145,6 +145,8 @@ class TreeSpec:
     manual: whether the tree's leaves are local blocks (inside ``shard_map``).
     options: the options it was made under.
     unplanned: Muon leaves on an Auto mesh without ``param_shardings`` (the plan warns).
+    notices: what the user should be warned about (routing surprises, degenerate
+      matrices), each naming the leaves and the fix; the transformation's ``init`` warns.
 
   ``plan`` is the orthogonalization plan of the Muon leaves with at least one element (None
   when there are none); ``planned`` gives, for each of ``plan.leaves``, its index among the
@@ -155,6 +157,7 @@ class TreeSpec:
   manual: bool
   options: MuonOptions
   unplanned: tuple[str, ...] = ()
+  notices: tuple[str, ...] = ()
 
   @functools.cached_property
   def muon_positions(self) -> tuple[int, ...]:
@@ -255,12 +258,14 @@ def _build(tree: Any, options: MuonOptions, manual: bool) -> TreeSpec:
                                    is_value=is_dimension_numbers,
                                    what="weight_dimension_numbers")
   if options.routing is None:
-    routes = [Route(path, MUON, Reason.GIVEN_TO_SCALE_BY_MUON)
+    routes = [Route(path, MUON, Reason.GIVEN_TO_SCALE_BY_MUON, ndim=len(leaf.shape))
               if tree_utils.is_array_leaf(leaf) else None
               for path, (_, leaf) in zip(paths, positions)]
+    notices = []
   else:
-    routes = decide(tree, options.routing,
+    routed = decide(tree, options.routing,
                     None if options.weight_dimension_numbers is None else dims)
+    routes, notices = routed.routes, list(routed.notices)
   given = resolve_param_shardings(options.param_shardings, tree)
   if manual and any(r is not None and r.optimizer == MUON and s is None
                     for r, s in zip(routes, given)):
@@ -278,13 +283,18 @@ def _build(tree: Any, options: MuonOptions, manual: bool) -> TreeSpec:
     sharding = leaf_sharding(path, shape, typed, s, split_evenly=r.optimizer == MUON)
     layout = None
     if r.optimizer == MUON:
-      layout = make_layout(path, jax.ShapeDtypeStruct(shape, leaf.dtype), d)
+      layout = make_layout(path, jax.ShapeDtypeStruct(shape, leaf.dtype),
+                           d if r.dimension_numbers is None else r.dimension_numbers)
       if sharding is None and getattr(typed, "mesh", None) is not None and not typed.mesh.empty:
         unplanned.append(path)
     leaves.append(LeafSpec(path, shape, np.dtype(leaf.dtype), r, sharding, layout))
   muon = [l for l in leaves if l is not None and l.layout is not None]
+  degenerate = degenerate_notice([(l.path, l.shape, l.layout.batch, l.layout.ns_shape)
+                                  for l in muon])
+  if degenerate:
+    notices.append(degenerate)
   meshes = {tuple(l.sharding.mesh.shape.items()) for l in muon if l.sharding is not None}
   if len(meshes) > 1:
     raise ValueError(f"optax_muon: the Muon leaves live on different meshes: "
                      f"{sorted(meshes)}.")
-  return TreeSpec(tuple(leaves), manual, options, tuple(unplanned))
+  return TreeSpec(tuple(leaves), manual, options, tuple(unplanned), tuple(notices))

@@ -135,7 +135,8 @@ class RoutingSummary:
     rows: one per leaf.
     plan: the orthogonalization plan of the Muon leaves, if any.
     notes: footer lines naming the options that change the update (NorMuon, cautious
-      weight decay, QK-clip) and the leaves they apply to.
+      weight decay, QK-clip) and the leaves they apply to, and the warnings ``init``
+      gives for this tree (routing surprises, degenerate matrices).
   """
 
   rows: tuple[LeafSummary, ...]
@@ -168,6 +169,8 @@ class RoutingSummary:
                  f"(whole-matrix lower bound {self.plan.ns_flops_bound() / 1e9:.3f}); "
                  f"modelled NS and exchange time {self.plan.critical_seconds() * 1e3:.3g} ms "
                  f"on the busiest device.")
+      footer += ("\nk: devices that orthogonalize each matrix together (1: the whole matrix on "
+                 "one device); NS ms (model): the cost model's time for one matrix there.")
     else:  # no sharded leaves: no placement columns
       header, body = header[:-3], [row[:-3] for row in body]
     if any(r.qk_clip for r in self.rows):
@@ -243,7 +246,7 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
       continue
     r = leaf_spec.route
     row = LeafSummary(r.path, tuple(leaf.shape), str(np.dtype(leaf.dtype)), r.optimizer,
-                      r.reason.describe(len(leaf_spec.shape)),
+                      r.describe(),
                       qk_clip=p.describe() if p is not None else "")
     layout = leaf_spec.layout
     if layout is not None:
@@ -260,7 +263,7 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
           ns_seconds=_matrix_seconds(plan, plan_index[i], team_run) if sharded else None)
     rows.append(row)
   summary = RoutingSummary(tuple(rows), plan, _notes(
-      options, rows, [p.role for p in projections if p is not None]))
+      options, rows, [p.role for p in projections if p is not None]) + spec.notices)
   if print_table:
     print(summary)
   return summary

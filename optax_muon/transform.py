@@ -17,9 +17,12 @@ from optax_muon.newton_schulz import PRECONDITIONINGS, orthogonalize_block
 from optax_muon.normuon import init_moment, normalize_neurons
 from optax_muon.options import (MOMENTUM_KINDS, NorMuon, NSOptions, ShardingOptions,
                                 check_number, check_option)
+from optax_muon.routing import RoutedDimensionNumbers
 from optax_muon.scaling import check_shape_scale, dual_norm_scale, scale_factor
 from optax_muon.sharding import placement_of, zeros
 from optax_muon.spec import MuonOptions, report_options, tree_spec
+from optax_muon.tree_utils import check_same_shapes
+from optax_muon.user_warnings import OncePerTransformation
 
 
 class MuonState(NamedTuple):
@@ -60,14 +63,18 @@ class MuonHyperparams:
   consistent_rms: Any = None
 
 
-def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
+def muon_transformation(options: MuonOptions, hyper: MuonHyperparams,
+                        warnings: OncePerTransformation | None = None
                         ) -> optax.GradientTransformationExtraArgs:
   """Muon's update of every leaf it receives: the four stages, in order.
 
   ``options.routing`` is not applied here (``muon`` routes with ``optax.partition``);
-  ``init`` reports ``options`` whole, so that ``summarize`` can show the routing.
+  ``init`` reports ``options`` whole, so that ``summarize`` can show the routing, and
+  issues the spec's warnings through ``warnings`` (``muon`` issues its own).
   """
-  received = dataclasses.replace(options, routing=None)
+  received = options if options.routing is None else dataclasses.replace(
+      options, routing=None, weight_dimension_numbers=RoutedDimensionNumbers(
+          options.routing, options.weight_dimension_numbers))
   ns = functools.partial(orthogonalize_block, table=hyper.coefficients,
                          compute_dtype=options.ns.compute_dtype,
                          preconditioning=hyper.preconditioning, method=options.ns.method,
@@ -76,6 +83,8 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
   def init_fn(params):
     report_options(options)
     spec = tree_spec(params, received)  # validates every leaf now, not at the first update
+    if warnings is not None:
+      warnings.warn(spec.notices)
     leaves, muon = spec.take(params), spec.muon_leaves
     placements = [placement_of(x, leaf.sharding) for x, leaf in zip(leaves, muon)]
     mu = [zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), where, x)
@@ -90,6 +99,7 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    check_same_shapes(updates, state.mu, "the optimizer state (made from the params)")
     spec = tree_spec(updates, received)
     muon, grads = spec.muon_leaves, spec.take(updates)
     count = optax.safe_increment(state.count)
@@ -124,6 +134,12 @@ def resolve_muon_arguments(ns_coeffs: CoefficientsLike, ns_steps: int | None, be
   Raises:
     ValueError: naming the argument.
   """
+  for name, value in (("ns_steps", ns_steps), ("eps", eps)):
+    if isinstance(value, jax.core.Tracer):
+      raise ValueError(
+          f"{name} is traced, but it fixes the Newton–Schulz schedule when the optimizer is "
+          "built. optax.inject_hyperparams turns numbers into arrays: name it static, "
+          "optax.inject_hyperparams(optax_muon.muon, static_args=('ns_steps', 'eps'))(...).")
   check_number("beta", beta, 0.0, 1.0)
   check_number("eps", eps, 0.0)
   if momentum not in MOMENTUM_KINDS:
@@ -239,7 +255,8 @@ def scale_by_muon(
       check_option("sharding", sharding, ShardingOptions, ShardingOptions()),
       normalization=check_option("normalization", normalization, NorMuon))
   return muon_transformation(options, MuonHyperparams(
-      coefficients, preconditioning, beta, momentum, nesterov, mu_dtype, adaptive))
+      coefficients, preconditioning, beta, momentum, nesterov, mu_dtype, adaptive),
+      OncePerTransformation())
 
 
 def scale_by_shape(weight_dimension_numbers: Any = None,

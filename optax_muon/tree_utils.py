@@ -38,9 +38,15 @@ def path_str(path) -> str:
   return "/".join(str(k) for k in canonical_path(path)) or "<root>"
 
 
-def _is_placeholder(x: Any) -> bool:
+def is_placeholder(x: Any) -> bool:
   """None and optax's MaskedNode stand where a partition removed a leaf."""
   return x is None or isinstance(x, optax.MaskedNode)
+
+
+def is_flax_variable(x: Any) -> bool:
+  """Whether ``x`` is an ``nnx.Variable`` (without importing Flax)."""
+  return any(c.__module__.startswith("flax.") and c.__name__ == "Variable"
+             for c in type(x).__mro__)
 
 
 def flatten_positions(tree: Any):
@@ -49,11 +55,62 @@ def flatten_positions(tree: Any):
   Returns:
     (list of (key path, leaf-or-placeholder), treedef).
   """
-  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_placeholder)
+  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_placeholder)
 
 
 def is_array_leaf(x: Any) -> bool:
-  return not _is_placeholder(x)
+  return not is_placeholder(x)
+
+
+def check_same_shapes(updates: Any, reference: Any, what: str) -> None:
+  """Raises a ValueError naming the leaf where ``updates`` and ``reference`` (the params, or
+  state made from them) differ in shape; placeholders on either side are skipped.
+
+  Raises:
+    ValueError: for a shape mismatch, or trees with different numbers of leaves.
+  """
+  ours, _ = flatten_positions(updates)
+  theirs, _ = flatten_positions(reference)
+  if len(ours) != len(theirs):
+    raise ValueError(f"the updates have {len(ours)} leaves and {what} {len(theirs)}: pass "
+                     "gradients of the tree the optimizer was initialized with.")
+  for (path, u), (_, r) in zip(ours, theirs):
+    if is_placeholder(u) or is_placeholder(r) or not hasattr(r, "shape"):
+      continue
+    if tuple(u.shape) != tuple(r.shape):
+      raise ValueError(f"the update of leaf '{path_str(path)}' has shape {tuple(u.shape)}, "
+                       f"{what} {tuple(r.shape)}: pass gradients of the tree the optimizer "
+                       "was initialized with.")
+
+
+def _child(node: Any, key: Any) -> Any:
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  if isinstance(key, jax.tree_util.DictKey):
+    return node[key.key]
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return node[key.idx]
+  raise LookupError(key)
+
+
+def owner_classes(tree: Any) -> list[tuple[str, ...]]:
+  """Per position of ``flatten_positions(tree)``, the classes of the object that holds the
+  leaf (``"module.QualName"``, the whole MRO), or () where the path cannot be followed.
+
+  For trees of module objects (Equinox): the layer a weight belongs to.
+  """
+  positions, _ = flatten_positions(tree)
+  owners = []
+  for path, _ in positions:
+    node = tree
+    try:
+      for key in path[:-1]:
+        node = _child(node, key)
+    except (LookupError, AttributeError, TypeError):
+      owners.append(())
+      continue
+    owners.append(tuple(f"{c.__module__}.{c.__qualname__}" for c in type(node).__mro__))
+  return owners
 
 
 def listing(paths: list[str], limit: int = 6) -> str:
@@ -111,9 +168,9 @@ def freeze_prefix(prefix: Any, *, is_value: Callable[[Any], bool], what: str
   if callable(prefix) and not is_value(prefix):
     return prefix
   entries, _ = jax.tree_util.tree_flatten_with_path(
-      prefix, is_leaf=lambda x: _is_placeholder(x) or is_value(x))
+      prefix, is_leaf=lambda x: is_placeholder(x) or is_value(x))
   return FrozenPrefix(what, tuple(
-      (canonical_path(path), None if _is_placeholder(value)
+      (canonical_path(path), None if is_placeholder(value)
        else _hashable(value, path_str(path), what)) for path, value in entries))
 
 

@@ -73,22 +73,33 @@ def test_summary_costs():
   assert rows["w"].scale == 2.0
 
 
-def test_three_d_leaves_without_dimension_numbers_warn():
+def test_three_d_leaves_without_dimension_numbers_warn_once_at_the_users_line():
   params = {"stack": jnp.zeros((2, 8, 8)), "w": jnp.zeros((8, 8))}
-  with pytest.warns(UserWarning, match=r"rank >= 3 go to AdamW.*'stack'"):
-    labels = _labels(om.muon(0.1), params)
-  assert labels == {"stack": "adam", "w": "muon"}
+  tx = om.muon(0.1)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx.init(params)
+    jax.jit(tx.init)(params)
+    summary = om.summarize(params, tx)
+  assert len(caught) == 1, [str(w.message) for w in caught]
+  assert caught[0].filename == __file__  # the user's line, not optax_muon's or optax's
+  message = str(caught[0].message)
+  assert "rank ≥ 3 go to AdamW" in message and "'stack (2×8×8)'" in message
+  assert "MuonDimensionNumbers(1, 2)" in message and "attention heads" in message
+  assert {r.path: r.optimizer for r in summary.rows} == {"stack": "adam", "w": "muon"}
+  assert message in summary.notes and message in str(summary)
 
 
 def test_dimension_numbers_route_like_optax_contrib():
   params = {"stack": jnp.zeros((2, 8, 8)), "w": jnp.zeros((8, 8)), "b": jnp.zeros(8)}
   dims = {"stack": DN(1, 2), "w": None, "b": None}
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    tx = om.muon(0.1, "polar_express", 8, muon_weight_dimension_numbers=dims)
+  tx = om.muon(0.1, "polar_express", 8, muon_weight_dimension_numbers=dims)
+  # A 2-D leaf with None goes to AdamW, as in optax.contrib, and a warning says so.
+  with pytest.warns(UserWarning, match=r"None for leaves that the default routing puts on "
+                    r"Muon.*\['w \(8×8\)'\]"):
     assert _labels(tx, params) == {"stack": "muon", "w": "adam", "b": "adam"}
-    grads = _grads(params, 0)
-    updates, _ = tx.update(grads, tx.init(params), params)
+  grads = _grads(params, 0)
+  updates, _ = tx.update(grads, tx.init(params), params)
   # The stacked leaf is two orthogonalized 8 × 8 matrices (all σ = lr); w and b get NAdamW.
   np.testing.assert_allclose(np.linalg.svd(np.asarray(updates["stack"]), compute_uv=False),
                              0.1, rtol=2e-3)
