@@ -57,6 +57,15 @@ def is_dimension_numbers(x: Any) -> bool:
   return isinstance(x, DIMENSION_NUMBER_TYPES)
 
 
+def portable_dimension_numbers(dims: Any) -> Any:
+  """``dims`` as optax.contrib's own type where the installed optax has one (a tree of
+  them then works for ``optax.contrib.muon`` too, which knows no other type), else as
+  they are."""
+  if dims is None or not is_dimension_numbers(dims):
+    return dims
+  return DIMENSION_NUMBER_TYPES[-1](*dims)
+
+
 def _normalize_axes(axes, ndim: int, path: str, field: str) -> tuple[int, ...]:
   axes = (axes,) if isinstance(axes, int) else tuple(axes)
   if not axes:

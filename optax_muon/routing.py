@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon import tree_utils
-from optax_muon.layout import MuonDimensionNumbers, is_dimension_numbers
+from optax_muon.layout import (MuonDimensionNumbers, is_dimension_numbers,
+                               portable_dimension_numbers)
 from optax_muon.layouts import check_axis_roles, from_logical_names
 from optax_muon.options import Routing
 from optax_muon.user_warnings import warn_at_caller
@@ -386,7 +387,8 @@ def infer_dimension_numbers(params: Any, routing: Routing | None = None, *,
 
   Returns:
     A tree like ``params`` (boxes and Variables replaced by their entry) of
-    ``MuonDimensionNumbers`` or None.
+    ``MuonDimensionNumbers`` (optax.contrib's type where the installed optax has one) or
+    None.
 
   Raises:
     ValueError: as ``route``, and for logical names that don't fit the params or have no
@@ -419,7 +421,8 @@ def infer_dimension_numbers(params: Any, routing: Routing | None = None, *,
   for notice in routed.notices:
     warn_at_caller(notice)
   dims = [None if r is None or r.optimizer == ADAM
-          else r.dimension_numbers or MuonDimensionNumbers(0, 1) for r in routed.routes]
+          else portable_dimension_numbers(r.dimension_numbers or MuonDimensionNumbers(0, 1))
+          for r in routed.routes]
   return jax.tree.unflatten(jax.tree.structure(plain, is_leaf=tree_utils.is_placeholder),
                             dims)
 
