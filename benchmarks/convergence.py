@@ -121,19 +121,20 @@ def steps_to_reach(curve: list, target: float) -> int | None:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
-                      help="tiny model, a few steps, one seed (a smoke run)")
-  parser.add_argument("--out", default="runs", help="output folder (default runs)")
+                      help="tiny model, a few steps, one seed: a smoke run (default: off)")
+  parser.add_argument("--out", default="runs", help="output folder (default: %(default)s)")
   parser.add_argument("--sweep", action="store_true",
-                      help="sweep the baselines' learning rates instead of using BEST_LRS")
+                      help="sweep the baselines' learning rates instead of using BEST_LRS "
+                      "(default: off)")
   parser.add_argument("--resume", action="store_true",
-                      help="reuse the runs saved in OUT/convergence_runs.json")
+                      help="reuse the runs saved in OUT/convergence_runs.json (default: off)")
   parser.add_argument("--rows", default="",
                       help="comma-separated name prefixes of the runs to train (e.g. "
                       "'optax_muon lr=,optax_muon weight decay'); AdamW, the target, always "
-                      "runs; other rows are left out of the table")
+                      "runs; other rows are left out of the table (default: every row)")
   parser.add_argument("--report", action="store_true",
-                      help="train nothing: the table of the saved runs (rows without runs "
-                      "left out)")
+                      help="train nothing: the table of the saved runs, rows without runs "
+                      "left out (default: off)")
   args = parser.parse_args(argv)
   require_optax_contrib_muon()
   budget = QUICK if args.quick else Budget()

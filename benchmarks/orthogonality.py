@@ -53,7 +53,7 @@ def worst_error(out: np.ndarray, reference: np.ndarray) -> float:
 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small matrices (a smoke run)")
+  parser.add_argument("--quick", action="store_true", help="small matrices: a smoke run (default: off)")
   args = parser.parse_args(argv)
   m, n, batch = (32, 64, 2) if args.quick else (256, 1024, 4)
   matrices = test_matrices(m, n, batch)

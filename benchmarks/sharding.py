@@ -405,22 +405,26 @@ def _child(n: int, quick: bool, contrib: bool, pythonpath: str) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(  # the docstring's first sentence, without markup
+      description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
   parser.add_argument("--quick", action="store_true",
-                      help="8 devices, small trees, this code only (a smoke run)")
-  parser.add_argument("--devices", type=int, help="measure in this process (child mode)")
+                      help="8 devices, small trees, this code only: a smoke run (default: off)")
+  # Child mode, internal: _child re-launches this script with --devices N.
+  parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--no-contrib", action="store_true",
-                      help="skip optax.contrib.muon's compile times")
-  parser.add_argument("--baseline", default=BASELINE,
-                      help="git revision of the previous plan; 'none' to skip")
+                      help="skip optax.contrib.muon's compile times (default: off)")
+  parser.add_argument("--baseline", default=BASELINE, metavar="REV",
+                      help="git revision of the code the 'old' columns measure; 'none' to skip "
+                      f"(default: the last commit before teams and the cost model, {BASELINE})")
   parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
-                      help="comma-separated device counts (default 8,16,64)")
+                      help="comma-separated device counts (default: %(default)s)")
   parser.add_argument("--plan-only", action="store_true",
                       help="no compiling: model the whole-matrix plan and the plan with teams "
-                           "under the GPU and TPU profiles, on the trees above at --counts "
-                           "and on a 7B-like tree at 256 and a 405B-like tree at 16384 devices")
+                           "under the GPU and TPU profiles, on the benchmark trees at --counts "
+                           "and on a 7B-like tree at 256 and a 405B-like tree at 16384 devices "
+                           "(default: off)")
   parser.add_argument("--no-large", action="store_true",
-                      help="with --plan-only: skip the two large trees")
+                      help="with --plan-only: skip the two large trees (default: off)")
   args = parser.parse_args(argv)
   if args.plan_only:
     rows = plan_only_rows(tuple(int(c) for c in args.counts.split(",")), not args.no_large)

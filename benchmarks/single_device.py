@@ -153,10 +153,13 @@ def table(rows: list[dict], columns: list[str], formats: dict) -> str:
 
 def main(argv=None) -> tuple[list[dict], list[dict]]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny trees, 3 repeats (a smoke run)")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny trees, 3 repeats: a smoke run (default: off)")
   parser.add_argument("--repeats", type=int, default=9,
-                      help="timed calls of each update, alternating (default 9)")
-  parser.add_argument("--baseline", help="git revision of optax_muon to time alongside")
+                      help="timed calls of each update, alternating "
+                      "(default: %(default)s; 3 with --quick)")
+  parser.add_argument("--baseline", metavar="REV",
+                      help="git revision of optax_muon to time alongside (default: none)")
   args = parser.parse_args(argv)
   require_optax_contrib_muon()
   sizes, repeats = ([(64, 2)], 3) if args.quick else ([(256, 6), (512, 6)], args.repeats)

@@ -74,11 +74,12 @@ def train_step(model, optimizer, windows):
 def main(argv=None) -> dict:
   """Trains the model; returns the losses, the routing summary and the final shardings."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+  parser.add_argument("--steps", type=int, default=60,
+                      help="training steps (default: %(default)s)")
   parser.add_argument("--d-model", type=int, default=64,
-                      help="the model's width; a multiple of 8 (default 64)")
+                      help="the model's width; a multiple of 8 (default: %(default)s)")
   parser.add_argument("--batch-size", type=int, default=64,
-                      help="windows per step, split over the 'data' axis (default 64)")
+                      help="windows per step, split over the 'data' axis (default: %(default)s)")
   args = parser.parse_args(argv)
 
   devices = np.array(jax.devices()[:8]).reshape(4, 2)

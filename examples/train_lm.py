@@ -48,27 +48,35 @@ from plotting import save_loss_plot  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=None,
-                      help="optimizer steps per run (default 600; 20 with --quick)")
-  parser.add_argument("--quick", action="store_true", help="tiny model, 20 steps")
-  parser.add_argument("--out", default="runs", help="output folder")
+                      help="optimizer steps per run (default: 600; 20 with --quick)")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny model, 20 steps: a smoke run (default: off)")
+  parser.add_argument("--out", default="runs", help="output folder (default: %(default)s)")
   parser.add_argument("--batch-size", type=int, default=32,
-                      help="sequences per step, split over the devices (default 32)")
-  parser.add_argument("--seq-len", type=int, default=128, help="context in bytes (default 128)")
-  parser.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
-  parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+                      help="sequences per step, split over the devices "
+                      "(default: %(default)s; --quick sets 16)")
+  parser.add_argument("--seq-len", type=int, default=128,
+                      help="context in bytes (default: %(default)s; --quick sets 64)")
+  parser.add_argument("--d-model", type=int, default=128,
+                      help="model width (default: %(default)s; --quick sets 32)")
+  parser.add_argument("--layers", type=int, default=4,
+                      help="transformer blocks (default: %(default)s; --quick sets 2)")
   parser.add_argument("--muon-lr", type=float, default=0.02,
-                      help="Muon's peak learning rate (default 0.02)")
+                      help="Muon's peak learning rate (default: %(default)s)")
   parser.add_argument("--adam-lr", type=float, default=3e-3,
-                      help="AdamW's learning rate, in the baseline and for Muon's AdamW leaves")
+                      help="AdamW's learning rate, in the baseline and for Muon's AdamW leaves "
+                      "(default: %(default)s)")
   parser.add_argument("--eval-every", type=int, default=50,
-                      help="steps between validation evaluations (default 50)")
+                      help="steps between validation evaluations "
+                      "(default: %(default)s; --quick sets 10)")
   parser.add_argument("--seed", type=int, default=0,
-                      help="seed of the init and the batch order (default 0)")
+                      help="seed of the init and the batch order (default: %(default)s)")
   parser.add_argument("--sharding", choices=("fsdp", "dp"), default="fsdp",
-                      help="fsdp: params sharded over the devices; dp: params replicated")
+                      help="fsdp: params sharded over the devices; dp: params replicated "
+                      "(default: %(default)s)")
   parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                       help="add a Muon run with QK-clip at threshold TAU and record every "
-                      "run's largest attention logit per step")
+                      "run's largest attention logit per step (default: off)")
   args = parser.parse_args(argv)
   if args.quick:
     args.d_model, args.layers, args.batch_size, args.seq_len, args.eval_every = 32, 2, 16, 64, 10
