@@ -214,7 +214,8 @@ def scale_by_muon(
       ``nnx.get_named_sharding`` or of linen's ``nn.get_sharding`` /
       ``nn.logical_to_mesh_sharding``. On Explicit meshes the leaves' types carry their
       shardings and this may stay ``None``. Sharded leaves are orthogonalized by the plan
-      (``optax_muon.plan``): each whole matrix on exactly one device.
+      (``optax_muon.plan``): each matrix on one device, or on a team of devices where the
+      cost model says it pays.
     sharding: how sharded matrices are exchanged (``ShardingOptions``).
 
   Returns:

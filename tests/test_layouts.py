@@ -17,6 +17,7 @@ from flax import nnx
 
 import optax_muon as om
 from helpers import random_grads, rel_err, requires_contrib_api
+import real_trees
 from real_trees import load, paths_and_leaves
 
 DN = om.MuonDimensionNumbers
@@ -136,9 +137,7 @@ def test_gemma3_update_equals_optax_contrib_with_the_same_dimension_numbers():
 
 
 def test_flax_linen_attention_kernels_on_muon_biases_on_adamw():
-  mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32)
-  x = jnp.ones((1, 5, 16))
-  params = mha.init(jax.random.PRNGKey(0), x, x)["params"]
+  params = real_trees.flax_linen_attention()
   rows = _rows(params, om.muon(0.02))
   for name in ("query", "key", "value"):
     assert params[name]["kernel"].shape == (16, 4, 8) and params[name]["bias"].shape == (4, 8)
@@ -166,8 +165,7 @@ def test_a_bias_is_known_by_the_kernel_beside_it():
 
 
 def test_flax_nnx_attention_reaches_muon_inside_nnx_optimizer():
-  model = nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, decode=False,
-                                 rngs=nnx.Rngs(0))
+  model = real_trees.flax_nnx_attention()
   tx = om.muon(0.02)
   rows = _rows(nnx.state(model, nnx.Param), tx)
   assert {p for p, r in rows.items() if r.optimizer == "muon"} == {
@@ -205,31 +203,7 @@ class _Nothing:
 
 def test_maxtext_style_logical_names_from_linen_boxes():
   """MaxText's layout: DenseGeneral kernels with logical names, layers scanned on axis 1."""
-  init = nn.initializers.lecun_normal()
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-      q = nn.DenseGeneral((4, 8), kernel_init=nn.with_logical_partitioning(
-          init, ("embed", "q_heads", "kv")), name="query")(x)
-      y = nn.DenseGeneral(16, axis=(-2, -1), kernel_init=nn.with_logical_partitioning(
-          init, ("heads", "kv", "embed")), name="out")(q)
-      h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
-                   name="wi")(y)
-      return nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")),
-                      name="wo")(h), None
-
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.Embed(100, 16, embedding_init=nn.with_logical_partitioning(
-          nn.initializers.normal(), ("vocab", "embed")), name="token_embedder")(x)
-      scanned = nn.scan(Block, variable_axes={"params": 1}, split_rngs={"params": True},
-                        length=3, metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = scanned(name="layers")(x, None)
-      return x
-
-  boxed = Model().init(jax.random.PRNGKey(0), jnp.zeros((1, 5), jnp.int32))["params"]
+  boxed = real_trees.maxtext_like()
   assert boxed["layers"]["query"]["kernel"].names == ("embed", "layers", "q_heads", "kv")
   dims = om.infer_dimension_numbers(boxed)  # the names the boxes carry
   layers = dims["layers"]
@@ -281,29 +255,10 @@ def test_logical_names_without_a_role_are_an_error_that_names_the_leaf():
 # Equinox ----------------------------------------------------------------------------------
 
 
-class _EqxModel(eqx.Module):
-  tokens: eqx.nn.Embedding
-  attn: eqx.nn.MultiheadAttention
-  up: eqx.nn.Linear
-  down: eqx.nn.Linear
-  norm: eqx.nn.LayerNorm
-  conv: eqx.nn.Conv2d
-  act: callable = eqx.field(static=True, default=jax.nn.gelu)
-
-
-def _eqx_params():
-  ks = jax.random.split(jax.random.PRNGKey(0), 5)
-  model = _EqxModel(eqx.nn.Embedding(50, 16, key=ks[0]),
-                    eqx.nn.MultiheadAttention(4, 16, key=ks[1]),
-                    eqx.nn.Linear(16, 64, key=ks[2]), eqx.nn.Linear(64, 16, key=ks[3]),
-                    eqx.nn.LayerNorm(16), eqx.nn.Conv2d(3, 8, 3, key=ks[4]))
-  return eqx.filter(model, eqx.is_inexact_array)
-
-
 def test_equinox_layers_read_in_pytorch_order():
   """Equinox's Linear.weight is (out, in): the shape factor uses the real n_in and n_out;
   Conv weights are one (in·kh·kw) × out matrix; Embedding goes to AdamW."""
-  params = _eqx_params()
+  params = real_trees.equinox_model()
   rows = _rows(params, om.muon(0.02))
   assert rows["up/weight"].optimizer == "muon" and rows["up/weight"].scale == 2.0  # 16 → 64
   assert rows["down/weight"].scale == 1.0
@@ -314,7 +269,7 @@ def test_equinox_layers_read_in_pytorch_order():
 
 
 def test_equinox_update_is_the_transpose_of_the_flax_layout_update():
-  params = _eqx_params()
+  params = real_trees.equinox_model()
   tx = om.muon(0.02)
   grads = random_grads(params, 0)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
@@ -392,3 +347,55 @@ def test_trees_without_matrices_update():
     updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
     assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+# The docs' table ----------------------------------------------------------------------------
+
+
+def _table_trees():
+  """The trees of docs/layouts.md's table: model name prefix → (params, muon kwargs per
+  heads setting)."""
+  boxed = real_trees.maxtext_like()
+  maxtext = {h: dict(muon_weight_dimension_numbers=om.infer_dimension_numbers(
+      boxed, om.Routing(heads=h))) for h in ("whole", "per_head")}
+  no_kwargs = {"whole": {}, "per_head": {}}
+  return {
+      "Gemma 3 1B": (load("gemma_Gemma3_1B")[0], no_kwargs),
+      "Gemma 2 2B": (load("gemma_Gemma2_2B")[0], no_kwargs),
+      "Gemma 3 4B": (load("gemma_Gemma3_4B")[0], no_kwargs),
+      "Flax `nn.": (real_trees.flax_linen_attention(), no_kwargs),
+      "Flax `nnx.": (nnx.state(real_trees.flax_nnx_attention(), nnx.Param), no_kwargs),
+      "MaxText": (nn.unbox(boxed), maxtext),
+      "Equinox": (real_trees.equinox_model(), no_kwargs),
+  }
+
+
+@pytest.mark.slow
+def test_the_layouts_page_table_is_what_summarize_shows():
+  page = (real_trees.TREES.parents[1] / "docs" / "layouts.md").read_text()
+  lines = [l for l in page.splitlines() if l.startswith("| ") and "`" in l.split("|")[2]]
+  assert len(lines) >= 20
+  trees = _table_trees()
+  summaries = {}
+  for line in lines:
+    model, leaf, shape, *cells = [c.strip() for c in line.strip("|").split("|")]
+    name = next(n for n in trees if model.startswith(n))
+    path = re.match(r"`([^`]+)`", leaf).group(1)
+    for heads, cell in zip(("whole", "per_head"), cells):
+      if (name, heads) not in summaries:
+        params, kwargs = trees[name]
+        tx = om.muon(0.02, routing=om.Routing(heads=heads), **kwargs[heads])
+        summaries[name, heads] = {r.path: r for r in om.summarize(params, tx).rows}
+      row = summaries[name, heads][path]
+      assert "×".join(map(str, row.shape)) == shape, (path, row.shape)
+      if cell.startswith("AdamW"):
+        assert row.optimizer == "adam", (path, heads, row.reason)
+        continue
+      batch, n_in, n_out, scale = re.fullmatch(
+          r"(\d+) × (\d+)→(\d+), scale ([\d.]+)", cell).groups()
+      assert row.optimizer == "muon" and row.batch == int(batch), (path, heads, row)
+      assert row.ns_matrix == tuple(sorted((int(n_in), int(n_out)))), (path, heads, row)
+      # The factor tells the sides apart: sqrt(max(1, n_out / n_in)).
+      assert row.scale == pytest.approx(math.sqrt(max(1, int(n_out) / int(n_in))), abs=1e-9)
+      assert f"{row.scale:.3g}".rstrip("0").rstrip(".") == scale or abs(
+          row.scale - float(scale)) < 0.005, (path, heads, row.scale, scale)
