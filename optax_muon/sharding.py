@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import jax
@@ -192,13 +191,14 @@ def leaf_sharding(path: str, shape: tuple[int, ...], typed: Any, given: Any, *,
   return sharding
 
 
-def warn_if_left_to_the_partitioner(paths: list[str]) -> None:
-  """Warns that Muon leaves on an Auto mesh without ``param_shardings`` get no plan."""
-  if paths:
-    warnings.warn(f"optax_muon: {tree_utils.listing(paths)} lie on a mesh with Auto axes and "
-                  "no param_shardings were given, so Newton–Schulz is left to XLA's "
-                  "partitioner (possibly redundant, or with collectives inside the loop). "
-                  "Pass param_shardings to muon/scale_by_muon.", stacklevel=5)
+def left_to_the_partitioner_notice(paths: list[str]) -> str | None:
+  """The warning for Muon leaves on an Auto mesh without ``param_shardings`` (no plan)."""
+  if not paths:
+    return None
+  return (f"optax_muon: {tree_utils.listing(paths)} lie on a mesh with Auto axes and no "
+          "param_shardings were given, so Newton–Schulz is left to XLA's partitioner "
+          "(possibly redundant, or with collectives inside the loop). Pass param_shardings "
+          "to muon/scale_by_muon.")
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, sharding: LeafSharding | None, like: Any

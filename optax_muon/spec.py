@@ -34,7 +34,7 @@ from optax_muon.plan import Plan, build_plan
 from optax_muon.routing import MUON, Reason, Route, decide, degenerate_notice
 from optax_muon.sharding import (LeafSharding, inside_shard_map, is_sharding_value,
                                  leaf_sharding, resolve_param_shardings, typed_sharding,
-                                 warn_if_left_to_the_partitioner)
+                                 left_to_the_partitioner_notice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,6 @@ class TreeSpec:
       at placeholders (None, ``optax.MaskedNode``).
     manual: whether the tree's leaves are local blocks (inside ``shard_map``).
     options: the options it was made under.
-    unplanned: Muon leaves on an Auto mesh without ``param_shardings`` (the plan warns).
     notices: what the user should be warned about (routing surprises, degenerate
       matrices), each naming the leaves and the fix; the transformation's ``init`` warns.
 
@@ -156,7 +155,6 @@ class TreeSpec:
   leaves: tuple[LeafSpec | None, ...]
   manual: bool
   options: MuonOptions
-  unplanned: tuple[str, ...] = ()
   notices: tuple[str, ...] = ()
 
   @functools.cached_property
@@ -172,7 +170,6 @@ class TreeSpec:
   @functools.cached_property
   def plan(self) -> Plan | None:
     """Built on first use (``scale_by_shape`` and the placement of state never need it)."""
-    warn_if_left_to_the_partitioner(list(self.unplanned))
     if not self.planned:
       return None
     muon = [self.leaves[self.muon_positions[k]] for k in self.planned]
@@ -289,12 +286,11 @@ def _build(tree: Any, options: MuonOptions, manual: bool) -> TreeSpec:
         unplanned.append(path)
     leaves.append(LeafSpec(path, shape, np.dtype(leaf.dtype), r, sharding, layout))
   muon = [l for l in leaves if l is not None and l.layout is not None]
-  degenerate = degenerate_notice([(l.path, l.shape, l.layout.batch, l.layout.ns_shape)
-                                  for l in muon])
-  if degenerate:
-    notices.append(degenerate)
+  degenerate = [(l.path, l.shape, l.layout.batch, l.layout.ns_shape) for l in muon]
+  notices += [n for n in (left_to_the_partitioner_notice(unplanned),
+                          degenerate_notice(degenerate)) if n is not None]
   meshes = {tuple(l.sharding.mesh.shape.items()) for l in muon if l.sharding is not None}
   if len(meshes) > 1:
     raise ValueError(f"optax_muon: the Muon leaves live on different meshes: "
                      f"{sorted(meshes)}.")
-  return TreeSpec(tuple(leaves), manual, options, tuple(unplanned), tuple(notices))
+  return TreeSpec(tuple(leaves), manual, options, tuple(notices))

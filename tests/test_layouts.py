@@ -399,3 +399,17 @@ def test_the_layouts_page_table_is_what_summarize_shows():
       assert row.scale == pytest.approx(math.sqrt(max(1, int(n_out) / int(n_in))), abs=1e-9)
       assert f"{row.scale:.3g}".rstrip("0").rstrip(".") == scale or abs(
           row.scale - float(scale)) < 0.005, (path, heads, row.scale, scale)
+
+
+def test_muon_leaves_on_an_auto_mesh_without_shardings_are_warned_about_once():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  params = {"w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("fsdp")))}
+  tx = om.muon(0.02)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = tx.init(params)
+    tx.update(params, state, params)
+  messages = [str(w.message) for w in caught]
+  assert len(messages) == 1 and "'w'" in messages[0] and "param_shardings" in messages[0]
+  assert caught[0].filename == __file__
