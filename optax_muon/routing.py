@@ -145,8 +145,8 @@ def _is_box(x: Any) -> bool:
 
 def _unbox(x: Any) -> Any:
   """The array in a Flax box or ``nnx.Variable``; other leaves as they are."""
-  if tree_utils.is_flax_variable(x):
-    return x.get_value()
+  if tree_utils.is_flax_variable(x):  # get_value from Flax 0.12.1; .value before
+    return x.get_value() if hasattr(type(x), "get_value") else x.value
   return x.value if _logical_names_of(x) is not None else x
 
 

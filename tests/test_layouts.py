@@ -186,19 +186,12 @@ def test_flax_nnx_attention_reaches_muon_inside_nnx_optimizer():
   assert 0.6 < s.min() and s.max() < 1.2, s  # Jordan's coefficients: σ ∈ [0.68, 1.13]
 
 
-def _eager_sharding_off():
-  """Flax ≥ 0.12.1 places variables with sharding names on a mesh when made; the names
-  here are logical (no mesh), so that is turned off where the switch exists."""
-  switch = getattr(nnx, "use_eager_sharding", None)
-  return switch(False) if switch is not None else _Nothing()
-
-
-class _Nothing:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
+def _mesh_of_names(names):
+  """Flax 0.12 places variables with sharding names on the current mesh when it makes them;
+  the names here are logical, so a one-device mesh with those axis names stands in."""
+  mesh = jax.make_mesh((1,) * len(names), names,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  return jax.set_mesh(mesh)
 
 
 def test_maxtext_style_logical_names_from_linen_boxes():
@@ -228,7 +221,7 @@ def test_maxtext_style_logical_names_from_linen_boxes():
 
 
 def test_nnx_einsum_logical_names_from_variable_metadata():
-  with _eager_sharding_off():
+  with _mesh_of_names(("embed", "heads", "kv")):
     init = nnx.initializers.lecun_normal()
     q = nnx.Einsum("btd,dnh->btnh", (16, 4, 8), (4, 8), rngs=nnx.Rngs(0),
                    kernel_init=nnx.with_partitioning(init, ("embed", "heads", "kv")),
@@ -238,7 +231,8 @@ def test_nnx_einsum_logical_names_from_variable_metadata():
   dims = om.infer_dimension_numbers(state)
   assert _same_dims(dims["kernel"], DN(0, (1, 2))) and dims["bias"] is None
   tx = om.muon(0.02, muon_weight_dimension_numbers=dims)
-  rows = _rows(state, tx)
+  on_the_host = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)  # off the mesh
+  rows = _rows(on_the_host, tx)
   assert rows["kernel"].optimizer == "muon" and rows["kernel"].ns_matrix == (16, 32)
   assert rows["bias"].optimizer == "adam"
 
