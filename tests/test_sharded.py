@@ -2,6 +2,7 @@
 every NS FLOP accounted for by the plan."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -547,7 +548,11 @@ def test_normuon_state_sharded_at_init_eager_and_abstract(axis_type):
   structs = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=sharding)}
   tx = om.scale_by_muon(normalization=om.NorMuon())
   want = NamedSharding(mesh, P(None, "tp"))
-  for state in (tx.init(params), tx.init(structs)):
+  with warnings.catch_warnings(record=True) as caught:  # Auto without param_shardings
+    warnings.simplefilter("always")
+    states = (tx.init(params), tx.init(structs))
+  assert len(caught) == (axis_type == AxisType.Auto), [str(w.message) for w in caught]
+  for state in states:
     assert state.nu["w"].shape == (1, 8) and state.nu["w"].sharding.is_equivalent_to(want, 2)
   if axis_type == AxisType.Explicit:
     abstract = jax.eval_shape(tx.init, structs).nu["w"]
