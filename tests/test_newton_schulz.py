@@ -223,3 +223,19 @@ def test_property_accuracy_over_spectra(m, n, seed, log_floor, preset):
   x = matrix_with_spectrum(rng, m, n, sv).astype(np.float32)
   got = singular_values(om.newton_schulz(x, name, ns_steps=steps))
   assert np.abs(got - 1).max() < tol, (got.min(), got.max())
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_products_carry_the_precision_asked_for(method):
+  """float32 NS: every product at HIGHEST precision (a TPU's DEFAULT is one bfloat16 pass, a
+  GPU's allows TF32); bfloat16 NS: bf16 operands accumulated in float32."""
+  import re  # noqa: PLC0415
+  x = jnp.ones((16, 64))
+  for compute, want in ((jnp.float32, "precision = [HIGHEST, HIGHEST]"),
+                        (jnp.bfloat16, "bf16>) -> tensor<")):
+    text = jax.jit(lambda x: om.newton_schulz(x, compute_dtype=compute, method=method)
+                   ).lower(x).as_text()
+    dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+    assert dots and all(want in l for l in dots), (compute, dots[:2])
+    if compute == jnp.bfloat16:
+      assert all(re.search(r"-> tensor<[\dx]+xf32>", l) for l in dots), dots[:2]
