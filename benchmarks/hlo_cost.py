@@ -39,6 +39,22 @@ def _dims(type_text: str) -> list[int]:
   return [int(d) for d in match.group(2).split(",") if d] if match else []
 
 
+def _convolution_flops(line: str, type_text: str, rhs_dims: list[int]) -> int:
+  """2·|out|·(input features)·(window taps that land on input elements): a batched matrix
+  product written as a convolution (the TPU compiler's form: the batch as a spatial
+  dimension, window size k with lhs_dilate k, so that each output sees one input)."""
+  labels = re.search(r"dim_labels=\w+_(\w+)->", line).group(1)
+  features = rhs_dims[labels.index("i")]
+  window = re.search(r"window=\{([^}]*)\}", line)
+  taps = 1
+  if window:
+    fields = dict(f.split("=") for f in window.group(1).split())
+    sizes = [int(v) for v in fields.get("size", "1").split("x")]
+    dilations = [int(v) for v in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")]
+    taps = math.prod(-(-size // dilation) for size, dilation in zip(sizes, dilations))
+  return 2 * math.prod(_dims(type_text)) * features * taps
+
+
 def _group_size(line: str, default: int) -> int:
   iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
   if iota:
@@ -81,8 +97,9 @@ class HloCost:
   """Per-device figures of one compiled program.
 
   Attributes:
-    dot_flops: 2·|out|·|contracted| summed over dot instructions, times loop trip counts;
-      a conditional counts its most expensive branch.
+    dot_flops: 2·|out|·|contracted| summed over dot instructions (and the convolutions a TPU
+      writes them as), times loop trip counts; a conditional counts its most expensive
+      branch.
     collectives: every collective instruction.
     temp_bytes: XLA's temp allocation (``memory_analysis().temp_size_in_bytes``).
     conditionals: every conditional that holds dots, outermost ones only.
@@ -120,17 +137,9 @@ def analyze(compiled, device_count: int) -> HloCost:
     An ``HloCost``.
   """
   text = compiled.as_text()
-  computations: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and not line.startswith(" "):
-      current = header.group(1)
-      computations[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-    elif current is not None and line.strip() != "}":
-      computations[current].append(line)
+  computations = _computations(text)
+  entry = next(_COMPUTATION.match(l).group(1) for l in text.splitlines()
+               if l.startswith("ENTRY"))
 
   # Multiplicity of each computation: product of trip counts of the loops that reach it.
   multiplicity: dict[str, int] = defaultdict(int)
@@ -145,6 +154,18 @@ def analyze(compiled, device_count: int) -> HloCost:
       return [b.strip().lstrip("%") for b in match.group(1).split(",")]
     return [match.group(2), match.group(3)]
 
+  def trip_count(line: str) -> int:
+    """A while loop's trip count: XLA's ``known_trip_count`` where the compiler records it
+    (CPU, GPU), else the bound of the condition's ``i < N`` (the TPU compiler's loops,
+    counters from 0)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    if known:
+      return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", line).group(1)
+    body = "\n".join(computations.get(condition, []))
+    bound = re.search(r"constant\((\d+)\)", body)
+    return int(bound.group(1)) if bound and "direction=LT" in body else 1
+
   def visit(name: str, times: int, looped: bool, top: bool) -> None:
     multiplicity[name] += times
     in_loop[name] = in_loop[name] or looped
@@ -153,9 +174,8 @@ def analyze(compiled, device_count: int) -> HloCost:
       if not inst:
         continue
       if inst.group(3) == "while":
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-        visit(body, times * (int(trips.group(1)) if trips else 1), True, top)
+        visit(body, times * trip_count(line), True, top)
         continue
       if inst.group(3) == "conditional":
         names = branches(line)
@@ -188,10 +208,12 @@ def analyze(compiled, device_count: int) -> HloCost:
         lhs_dims = _dims(shapes.get(lhs, ""))
         contracted = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
         total += 2 * math.prod(_dims(type_text)) * contracted
+      elif opcode == "convolution":  # how the TPU compiler writes a (batched) dot
+        rhs = rest.split(",")[1].split()[-1].lstrip("%").rstrip(")")
+        total += _convolution_flops(line, type_text, _dims(shapes.get(rhs, "")))
       elif opcode == "while":
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-        total += (int(trips.group(1)) if trips else 1) * dot_flops(body)
+        total += trip_count(line) * dot_flops(body)
       elif opcode == "conditional":
         total += max(dot_flops(b) for b in branches(line))
       else:
@@ -218,3 +240,69 @@ def analyze(compiled, device_count: int) -> HloCost:
   memory = compiled.memory_analysis()
   return HloCost(dot_flops(entry), collectives,
                  int(getattr(memory, "temp_size_in_bytes", 0)), conditionals)
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+  """Computation name → its instruction lines, in the order printed (the schedule's, in a
+  scheduled module)."""
+  computations: dict[str, list[str]] = {}
+  current = None
+  for line in text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(1)
+      computations[current] = []
+    elif current is not None and line.strip() != "}":
+      computations[current].append(line)
+  return computations
+
+
+def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
+  """(output bytes of the ``kind`` collectives with matrix products scheduled between their
+  start and done, output bytes of all ``kind`` collectives), each collective counted once
+  (the exchange runs once per step, outside any loop).
+
+  A synchronous collective (no start/done pair, as the TPU compiler emits them unless
+  asynchronous collectives are enabled) overlaps nothing.
+  """
+  computations = _computations(compiled.as_text())
+  has_product: dict[str, bool] = {}
+
+  def products(name: str) -> bool:
+    if name not in has_product:
+      has_product[name] = False
+      lines = computations.get(name, [])
+      has_product[name] = any(_line_has_product(l, products) for l in lines)
+    return has_product[name]
+
+  overlapped = total = 0.0
+  for lines in computations.values():
+    started: dict[str, tuple[int, float]] = {}
+    for position, line in enumerate(lines):
+      inst = _INSTRUCTION.match(line)
+      if not inst:
+        continue
+      result, type_text, opcode, rest = inst.groups()
+      if opcode == kind:
+        total += _array_bytes(type_text)
+      elif opcode == f"{kind}-start":
+        # The start's type is ((operands), result): count the result once.
+        size = _array_bytes(type_text) / 2
+        started[result] = (position, size)
+        total += size
+      elif opcode == f"{kind}-done":
+        start = rest.split(")")[0].split(",")[0].strip().lstrip("%")
+        if start in started:
+          first, size = started.pop(start)
+          if any(_line_has_product(l, products) for l in lines[first + 1:position]):
+            overlapped += size
+  return overlapped, total
+
+
+def _line_has_product(line: str, products) -> bool:
+  inst = _INSTRUCTION.match(line)
+  if not inst:
+    return False
+  if inst.group(3) in ("dot", "convolution"):
+    return True
+  return any(products(c) for c in _CALLEE.findall(line))

@@ -1,0 +1,265 @@
+"""The update compiled for TPU pods and NVIDIA GPU clusters, on this CPU host, beside
+optax.contrib.muon: what each real compiler decides (memory, NS FLOPs, collectives, overlap,
+precision, compile time).
+
+Nothing runs on an accelerator: JAX builds a topology of devices that are not here and the
+TPU compiler (libtpu) or the GPU compiler (the CUDA plugin, deviceless) compiles for it
+(``shared/aot/README.md`` of the workspace describes both). Each platform needs its own
+environment (they cannot share a process)::
+
+  python -m venv /tmp/aot-tpu && /tmp/aot-tpu/bin/pip install "jax[tpu]==0.10.2" optax
+  python -m venv /tmp/aot-gpu && /tmp/aot-gpu/bin/pip install jax==0.10.2 \\
+      jax-cuda12-plugin==0.10.2 nvidia-cuda-nvcc-cu12 optax
+  /tmp/aot-tpu/bin/pip install --no-deps -e .   # and the same for /tmp/aot-gpu
+  /tmp/aot-tpu/bin/python benchmarks/aot.py --targets tpu-v5e-16,tpu-v5p-256
+  /tmp/aot-gpu/bin/python benchmarks/aot.py --targets gpu-h100-8,gpu-h200-4x8
+
+Per target and tree, one row per optimizer: optax_muon with the target's cost profile,
+with teams forced off (prohibitive communication) and forced on (free communication), and
+optax.contrib.muon. Columns: temp and argument memory per device
+(``memory_analysis``); the busiest device's NS FLOPs counted from that compiler's HLO
+(``hlo_cost``: dots, and the convolutions a TPU writes them as, times loop trip counts)
+beside the plan's; collectives by kind with the bytes a device receives (ring model); the
+share of all-to-all bytes whose start/done pair has matrix products scheduled between them;
+compile CPU seconds (``time.process_time`` of lower + compile, optimizers alternating); the
+plan's modelled NS and exchange time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+WORKSPACE_AOT = pathlib.Path(__file__).resolve().parents[2] / "shared" / "aot"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A machine to compile for.
+
+  Attributes:
+    platform: ``"tpu"`` or ``"cuda"``.
+    topology: libtpu's topology name, or the GPU's ``partitions x hosts x devices``.
+    gpu_config: the GPU target config file (``*.txtpb``), GPU only.
+    profile: the ``optax_muon.PROFILES`` entry of the target's devices.
+  """
+
+  platform: str
+  topology: str
+  gpu_config: str = ""
+  profile: str = ""
+
+
+TARGETS = {
+    "tpu-v5e-4": Target("tpu", "v5e:2x2", profile="tpu"),
+    "tpu-v5e-16": Target("tpu", "v5e:4x4", profile="tpu"),
+    "tpu-v5p-256": Target("tpu", "v5p:8x8x4", profile="tpu"),
+    "gpu-h100-8": Target("cuda", "1x1x8", "h100_sxm.txtpb", "gpu"),
+    "gpu-h200-4x8": Target("cuda", "1x4x8", "h200.txtpb", "gpu"),
+}
+
+# Trees: name → Llama-like shapes (d, layers, heads, kv heads, ffn, vocab).
+TREES = {
+    "small": dict(d=256, layers=4, heads=4, kv_heads=2, ffn=704, vocab=1024),
+    "7b": dict(d=4096, layers=32, heads=32, kv_heads=8, ffn=11008, vocab=32000),
+}
+
+
+def _set_platform_env(platform: str) -> None:
+  """Before JAX starts: libtpu's host probing quieted, or the CUDA plugin kept deviceless."""
+  if platform == "tpu":
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-512")
+  else:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # else the plugin calls cuInit, fails, unregisters
+
+
+def make_mesh(target: Target, config_dir: pathlib.Path = WORKSPACE_AOT):
+  """A one-axis ("fsdp") mesh over every device of ``target``'s topology (Auto axes)."""
+  import jax  # noqa: PLC0415  (after _set_platform_env)
+  from jax.experimental import topologies  # noqa: PLC0415
+  if target.platform == "tpu":
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
+  else:
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=(config_dir / target.gpu_config).read_text(),
+        topology=target.topology)
+  devices = topo.devices
+  return topologies.make_mesh(topo, (len(devices),), ("fsdp",))
+
+
+def llama_tree(mesh, d: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int):
+  """(params, dimension numbers, optax.contrib's dimension numbers, shardings): a stacked
+  Llama-like tree of ``jax.ShapeDtypeStruct`` (float32), FSDP on each matrix's first axis."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  import optax_muon  # noqa: PLC0415
+  kv = kv_heads * d // heads
+  blocks = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "gate": (d, ffn),
+            "up": (d, ffn), "down": (ffn, d)}
+  shapes = {"embed": (vocab, d), "lm_head": (d, vocab), "final_norm": (d,),
+            "blocks": {**{k: (layers, *s) for k, s in blocks.items()},
+                       "attn_norm": (layers, d), "mlp_norm": (layers, d)}}
+  is_shape = lambda x: isinstance(x, tuple)
+  spec = lambda s: (P(None, "fsdp", None) if len(s) == 3 else
+                    P("fsdp", None) if len(s) == 2 and s[0] > layers else P())
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, spec(s)), shapes, is_leaf=is_shape)
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh),
+                        shapes, shardings, is_leaf=is_shape)
+
+  def dims(cls):
+    return jax.tree.map(lambda s: cls(1, 2) if len(s) == 3 else None, shapes, is_leaf=is_shape)
+
+  contrib_cls = getattr(optax.contrib, "MuonDimensionNumbers", None)
+  return params, dims(optax_muon.MuonDimensionNumbers), (
+      dims(contrib_cls) if contrib_cls else None), shardings
+
+
+def optimizers(target: Target, dims, contrib_dims, shardings) -> dict:
+  """The compared optimizers: name → (transformation, its cost model or None)."""
+  import math  # noqa: PLC0415
+
+  import optax  # noqa: PLC0415
+
+  import optax_muon  # noqa: PLC0415
+  profile = optax_muon.PROFILES[target.profile]
+  models = {"optax_muon": profile,
+            "optax_muon, whole matrices": optax_muon.CostModel(profile.flops_per_second, 1.0,
+                                                               1.0),
+            "optax_muon, teams": optax_muon.CostModel(profile.flops_per_second, math.inf, 0.0)}
+  out = {name: (optax_muon.muon(0.02, muon_weight_dimension_numbers=dims,
+                                param_shardings=shardings,
+                                sharding=optax_muon.ShardingOptions(cost_model=model)), model)
+         for name, model in models.items()}
+  if contrib_dims is not None:
+    out["optax.contrib.muon"] = (optax.contrib.muon(
+        0.02, muon_weight_dimension_numbers=contrib_dims), None)
+  return out
+
+
+def compile_update(tx, params, mesh):
+  """(compiled update, CPU seconds of lower + compile)."""
+  import jax  # noqa: PLC0415
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(tx.init, params)
+    jax.clear_caches()
+    start = time.process_time()
+    compiled = jax.jit(tx.update).lower(params, state, params).compile()
+  return compiled, time.process_time() - start
+
+
+def row(name: str, tx, model, compiled, seconds: float, params, mesh, target: Target
+        ) -> dict:
+  """The figures of one compiled update (its plan's modelled time under the target's own
+  profile, whatever model chose the plan)."""
+  import jax  # noqa: PLC0415
+
+  import hlo_cost  # noqa: PLC0415
+  import optax_muon  # noqa: PLC0415
+  n = mesh.devices.size
+  profile = optax_muon.PROFILES[target.profile]
+  cost = hlo_cost.analyze(compiled, n)
+  memory = compiled.memory_analysis()
+  by_kind: dict[str, list[float]] = {}
+  for c in cost.collectives:
+    entry = by_kind.setdefault(c.kind, [0, 0.0])
+    entry[0] += c.multiplicity
+    entry[1] += c.received_bytes
+  overlapped, exchanged = hlo_cost.overlapped_bytes(compiled, "all-to-all")
+  out = {"target": target.topology, "devices": n, "optimizer": name,
+         "temp GB": memory.temp_size_in_bytes / 1e9,
+         "argument GB": memory.argument_size_in_bytes / 1e9,
+         "NS GFLOP (HLO)": cost.dot_flops / 1e9,
+         "collectives": {k: {"count": v[0], "received MB": v[1] / 1e6}
+                         for k, v in sorted(by_kind.items())},
+         "all-to-all bytes overlapped": overlapped / exchanged if exchanged else None,
+         "compile CPU s": seconds}
+  if model is not None:
+    with jax.set_mesh(mesh):
+      plan = optax_muon.summarize(params, tx).plan
+    out["NS GFLOP (plan)"] = plan.critical_ns_flops() / 1e9
+    out["modelled ms"] = plan.critical_seconds(profile) * 1e3
+    out["teams"] = sorted({ex.team_size for g in plan.groups for ex in g.exchanges
+                           if ex.teams}) or [1]
+  return out
+
+
+def measure(target_name: str, tree: str, repeats: int, contrib: bool = True) -> list[dict]:
+  """Every optimizer's row for ``target_name`` and ``tree``, compiles alternating."""
+  target = TARGETS[target_name]
+  mesh = make_mesh(target)
+  params, dims, contrib_dims, shardings = llama_tree(mesh, **TREES[tree])
+  txs = optimizers(target, dims, contrib_dims if contrib else None, shardings)
+  compiled, seconds = {}, {name: [] for name in txs}
+  for _ in range(repeats):
+    for name, (tx, _) in txs.items():
+      compiled[name], s = compile_update(tx, params, mesh)
+      seconds[name].append(s)
+  return [dict(row(name, tx, model, compiled[name], min(seconds[name]), params, mesh, target),
+               tree=tree, target_name=target_name)
+          for name, (tx, model) in txs.items()]
+
+
+def table(rows: list[dict]) -> str:
+  """A markdown table of ``rows`` (one target and tree)."""
+  head = ("optimizer", "temp GB", "arg GB", "NS GFLOP busiest (HLO)", "(plan)", "teams k",
+          "collectives: count, received MB", "a2a overlapped", "compile CPU s",
+          "modelled ms")
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    collectives = "; ".join(f"{k} {v['count']}, {v['received MB']:.0f}"
+                            for k, v in r["collectives"].items())
+    share = r["all-to-all bytes overlapped"]
+    lines.append("| " + " | ".join([
+        r["optimizer"], f"{r['temp GB']:.3f}", f"{r['argument GB']:.3f}",
+        f"{r['NS GFLOP (HLO)']:.1f}",
+        f"{r['NS GFLOP (plan)']:.1f}" if "NS GFLOP (plan)" in r else "—",
+        ",".join(map(str, r.get("teams", []))) or "—", collectives or "—",
+        "—" if share is None else f"{share:.0%}", f"{r['compile CPU s']:.1f}",
+        f"{r['modelled ms']:.2f}" if "modelled ms" in r else "—"]) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--targets", default="tpu-v5e-16,tpu-v5p-256",
+                      help=f"comma-separated, of one platform: {', '.join(TARGETS)} "
+                           "(default: %(default)s)")
+  parser.add_argument("--trees", default="7b",
+                      help=f"comma-separated: {', '.join(TREES)} (default: %(default)s)")
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="compiles of each optimizer, alternating; the fastest counts "
+                           "(default: %(default)s)")
+  parser.add_argument("--no-contrib", action="store_true",
+                      help="leave optax.contrib.muon out (default: off)")
+  parser.add_argument("--out", default="runs/aot.json",
+                      help="where the rows go, as JSON (default: %(default)s)")
+  args = parser.parse_args(argv)
+  names = args.targets.split(",")
+  platforms = {TARGETS[n].platform for n in names}
+  if len(platforms) != 1:
+    raise SystemExit("--targets: one platform per run (TPU and GPU compilers need their own "
+                     "environments).")
+  _set_platform_env(platforms.pop())
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  rows = []
+  for name in names:
+    for tree in args.trees.split(","):
+      got = measure(name, tree, args.repeats, not args.no_contrib)
+      print(f"\n{name} ({TARGETS[name].topology}), {tree} tree\n\n{table(got)}", flush=True)
+      rows += got
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(rows, indent=1))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
