@@ -122,7 +122,7 @@ def muon(
       ``"spectral"`` sqrt(n_out/n_in), or ``None`` (1).
     ns_options: how NS runs (``NSOptions``).
     normalization: ``NorMuon(beta)`` on the Muon leaves, or None.
-    routing: which leaf goes where (``Routing``: labels, the embedding/head pattern).
+    routing: which leaf goes where (``Routing``: labels, adam_pattern (embeddings, heads, norms)).
     param_shardings, sharding: for sharded params, see ``scale_by_muon``.
     adam_weight_decay_mask: tree, prefix tree or callable of bools selecting decayed AdamW
       leaves.

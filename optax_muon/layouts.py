@@ -170,7 +170,7 @@ KNOWN_LAYOUTS: tuple[LayoutRule, ...] = (
 #: matrices (stacked layers, experts, fused parts), ``"vocab"`` an embedding's or output
 #: head's vocabulary (the leaf goes to AdamW).
 LOGICAL_AXIS_ROLES: Mapping[str, str] = {
-    **dict.fromkeys(("embed", "embed_no_exp", "d_model", "emb", "model", "features"),
+    **dict.fromkeys(("embed", "embed_no_exp", "d_model", "emb", "model", "features", "norm"),
                     "model"),
     **dict.fromkeys(("heads", "q_heads", "kv_heads", "num_heads"), "heads"),
     **dict.fromkeys(("kv", "head_dim", "kv_head_dim", "qk_head_dim", "v_head_dim",

@@ -26,8 +26,10 @@ EXCHANGES = ("combined", "per_shape")
 MOMENTUM_KINDS = ("ema", "ema_uncorrected", "sum")
 
 #: Leaves whose path matches this go to AdamW under the default routing: embeddings and
-#: output heads (any path component containing "embed", or named lm_head, wte, wpe, head).
-DEFAULT_ADAM_PATTERN = r"(?i)embed|(^|/)(lm_head|wte|wpe|head)(/|$)"
+#: output heads (any path component containing "embed", or named lm_head, wte, wpe, head),
+#: and norm scales however they are stacked (a component containing "norm", or a leaf named
+#: scale).
+DEFAULT_ADAM_PATTERN = r"(?i)embed|norm|(^|/)(lm_head|wte|wpe|head)(/|$)|(^|/)scale$"
 
 
 def check_number(name: str, value: Any, low: float, high: float | None = None, *,

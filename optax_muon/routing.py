@@ -36,7 +36,7 @@ class Reason(enum.Enum):
   NO_DIMENSION_NUMBERS = "dimension numbers are None"
   FEWER_THAN_2_D = "{ndim}-D"
   BIAS = "bias{detail}"
-  PATTERN = "path matches embedding/head pattern"
+  PATTERN = "path matches adam_pattern"
   LAYOUT = "{detail}"
   LOGICAL_NAMES = "logical axis names {detail}"
   MATRIX = "2-D"
@@ -296,7 +296,7 @@ def _with_dimension_numbers(default: list[Route | None], dims: list[Any], leaves
   if kept_on_adam:
     notices.append(
         f"optax_muon: muon_weight_dimension_numbers describes leaves that are biases or "
-        f"whose path matches the embedding/head pattern; they go to AdamW: "
+        f"whose path matches adam_pattern (embeddings, heads, norms); they go to AdamW: "
         f"{_listing(kept_on_adam)}. To put them on Muon anyway, pass "
         "routing=Routing(adam_pattern=None, biases=False) (or a narrower adam_pattern), or "
         "Routing(labels=...).")

@@ -285,8 +285,8 @@ def test_dimension_numbers_for_an_embedding_keep_it_on_adamw_and_say_so():
             "mlp": {"kernel": jnp.zeros((16, 32)), "bias": jnp.zeros((4, 8))}}
   every_matrix = lambda p: jax.tree.map(lambda x: DN() if x.ndim >= 2 else None, p)
   tx = om.muon(0.02, muon_weight_dimension_numbers=every_matrix)
-  with pytest.warns(UserWarning, match=r"biases or whose path matches the embedding/head "
-                    r"pattern.*embedder/input_embedding \(64×16\)'.*'mlp/bias \(4×8\)'"):
+  with pytest.warns(UserWarning, match=r"biases or whose path matches adam_pattern "
+                    r".*embedder/input_embedding \(64×16\)'.*'mlp/bias \(4×8\)'"):
     tx.init(params)
   rows = {r.path: r.optimizer for r in om.summarize(params, tx).rows}
   assert rows == {"embedder/input_embedding": "adam", "mlp/kernel": "muon", "mlp/bias": "adam"}
@@ -407,3 +407,17 @@ def test_muon_leaves_on_an_auto_mesh_without_shardings_are_warned_about_once():
   messages = [str(w.message) for w in caught]
   assert len(messages) == 1 and "'w'" in messages[0] and "param_shardings" in messages[0]
   assert caught[0].filename == __file__
+
+
+def test_stacked_norm_scales_stay_on_adamw():
+  """A scanned model's norm scales are (layers, d): 2-D, but not matrices."""
+  params = {"blocks": {"attn_norm": jnp.ones((4, 16)), "w": jnp.zeros((4, 16, 16)),
+                       "ln": {"scale": jnp.ones((4, 16))}}}
+  tx = om.muon(0.02, muon_weight_dimension_numbers={"blocks": {
+      "attn_norm": None, "w": DN(1, 2), "ln": {"scale": None}}})
+  rows = _rows(params, tx)  # no warning: the None entries agree with the default rule
+  assert rows["blocks/attn_norm"].optimizer == "adam"
+  assert rows["blocks/ln/scale"].optimizer == "adam"
+  vectors = {"blocks": {k: v for k, v in params["blocks"].items() if k != "w"}}
+  defaults = {r.path: r.optimizer for r in om.route(vectors)}
+  assert defaults["blocks/attn_norm"] == defaults["blocks/ln/scale"] == "adam"
