@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon.newton_schulz import MeshTeam
-from optax_muon.plan import Exchange, Group, LeafPlacement, Plan, Program, TeamProgram
+from optax_muon.plan.model import Exchange, Group, LeafPlacement, Plan, Program, TeamProgram
 from optax_muon.spec import TreeSpec
 
 # Newton–Schulz of a (batch, m, n) stack of canonical matrices (m ≤ n), or, with

@@ -30,7 +30,8 @@ import numpy as np
 from optax_muon import tree_utils
 from optax_muon.layout import MatrixLayout, is_dimension_numbers, make_layout
 from optax_muon.options import NorMuon, NSOptions, Routing, ShardingOptions
-from optax_muon.plan import Plan, build_plan
+from optax_muon.plan.build import build_plan
+from optax_muon.plan.model import Plan
 from optax_muon.routing import MUON, Reason, Route, decide, degenerate_notice
 from optax_muon.sharding import (LeafSharding, inside_shard_map, is_sharding_value,
                                  leaf_sharding, resolve_param_shardings, typed_sharding,

@@ -10,7 +10,7 @@ import numpy as np
 
 from optax_muon import tree_utils
 from optax_muon.cost_model import default_cost_model
-from optax_muon.plan import Plan
+from optax_muon.plan.model import Plan
 from optax_muon.qk_clip import ROLES, resolve_projections
 from optax_muon.routing import ADAM, MUON
 from optax_muon.scaling import scale_factor
