@@ -302,8 +302,8 @@ def abstract_plans(leaves: dict, specs: dict, dims: dict, mesh_shape: tuple, nam
   layouts = [optax_muon.layout.make_layout(k, x, dims[k]) for k, x in leaves.items()]
   shardings = [optax_muon.sharding.LeafSharding(
       mesh, optax_muon.sharding.dim_axes_of(specs[k], len(x.shape))) for k, x in leaves.items()]
-  cost = lambda m, n, dtype: ns.flops(m, n, dtype, 5)
-  team_cost = lambda m, n, dtype, k: ns.team_cost(m, n, dtype, k, 5)
+  cost = lambda m, n, dtype: optax_muon.costs.matrix_flops(ns, m, n, dtype, 5)
+  team_cost = lambda m, n, dtype, k: optax_muon.costs.team_cost(ns, m, n, dtype, k, 5)
   start = time.perf_counter()
   whole = optax_muon.plan.build_plan(layouts, shardings, cost)
   middle = time.perf_counter()

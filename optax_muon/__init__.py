@@ -16,11 +16,11 @@ attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax, Equinox), yo
 from optax_muon.alias import muon
 from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
                                      resolve_coefficients, singular_value_range)
-from optax_muon.cost_model import PROFILES, CostModel, default_cost_model
+from optax_muon.costs import PROFILES, CostModel, default_cost_model, ns_flops
 from optax_muon.diagnostics import diagnostics
 from optax_muon.layout import MuonDimensionNumbers
 from optax_muon.layouts import KNOWN_LAYOUTS, LOGICAL_AXIS_ROLES, LayoutRule
-from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz, ns_flops
+from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz
 from optax_muon.options import DEFAULT_ADAM_PATTERN, NorMuon, NSOptions, Routing, ShardingOptions
 from optax_muon.qk_clip import QKClip, QKClipHeads, qk_clip
 from optax_muon.routing import Reason, Route, infer_dimension_numbers, route

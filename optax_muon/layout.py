@@ -15,7 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax.contrib
 
-from optax_muon.newton_schulz import ns_orientation
+
+def ns_orientation(rows: int, cols: int) -> tuple[tuple[int, int], bool]:
+  """Which side Newton–Schulz runs on: the (m, n) matrix it iterates on, m ≤ n, and whether
+  that is the transpose of the rows × cols input. The one place this is decided."""
+  return (min(rows, cols), max(rows, cols)), rows > cols
 
 
 class MuonDimensionNumbers(NamedTuple):

@@ -9,19 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon.coefficients import CoefficientsLike, NSCoefficients, resolve_coefficients
-
-METHODS = ("standard", "gram", "auto")
-#: Steps between Gram restarts; see ``newton_schulz``.
-GRAM_RESTART = 3
-
+from optax_muon.costs import GRAM_RESTART, uses_gram
+from optax_muon.layout import ns_orientation
 
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
-
-
-def ns_orientation(rows: int, cols: int) -> tuple[tuple[int, int], bool]:
-  """Which side Newton–Schulz runs on: the (m, n) matrix it iterates on, m ≤ n, and whether
-  that is the transpose of the rows × cols input. The one place this is decided."""
-  return (min(rows, cols), max(rows, cols)), rows > cols
 
 
 class Team:
@@ -372,78 +363,3 @@ def msign(x: jax.Array, *, rank_tol: float | None = None) -> jax.Array:
     rank_tol = max(x.shape[-2:]) * float(jnp.finfo(wide).eps)
   keep = (s > rank_tol * s[..., :1]).astype(wide)
   return (u * keep[..., None, :]) @ vt
-
-
-def _gram_chunk_flops(m: int, n: int, steps: int) -> int:
-  """G and the final Q·X (4·m²·n); P_0 (2·m³); if more steps: A_1 (4·m³), 8·m³ per middle
-  step (A², P·Q, P·A·P) and 4·m³ for the last (A², P·Q)."""
-  if steps == 1:
-    return 4 * m * m * n + 2 * m**3
-  return 4 * m * m * n + 10 * m**3 + 8 * m**3 * (steps - 2)
-
-
-def ns_flops(m: int, n: int, steps: int, gram: bool = False,
-             gram_restart: int = GRAM_RESTART, team: int = 1) -> int:
-  """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side m ≤ n), on
-  each member of a team of ``team`` devices (n divisible by it).
-
-  Standard: 4·m²·n/k + 2·⌈m/k⌉·m² per step (the rows of the m × m polynomial split too).
-  Gram: see ``_gram_iterations``; in a team only G and Q·X₀ are split.
-
-  Examples:
-    >>> import optax_muon
-    >>> optax_muon.ns_flops(256, 1024, 5)  # 5·(4·256²·1024 + 2·256³)
-    1509949440
-    >>> optax_muon.ns_flops(256, 1024, 5, team=4)  # a quarter on each of 4 devices
-    377487360
-  """
-  (m, n), _ = ns_orientation(m, n)
-  n //= team
-  if not gram:
-    return steps * (4 * m * m * n + 2 * -(-m // team) * m * m)
-  chunks = [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]
-  return sum(_gram_chunk_flops(m, n, k) for k in chunks)
-
-
-def team_collectives(m: int, n: int, steps: int, team: int, gram: bool = False,
-                     gram_restart: int = GRAM_RESTART) -> tuple[tuple[int, bool], ...]:
-  """The collectives one member of a team of ``team`` runs in NS of one m × n matrix with
-  the Frobenius preconditioning: per collective, (elements it receives, whether it sits in
-  the NS loop). A batch of matrices runs the same collectives, each carrying all of them.
-
-  Standard: max and sum of the norm (k − 1 each), then per step the Gram matrix's
-  reduce-scatter and all-gather and the polynomial's all-gather ((k − 1)·⌈m/k⌉·m each), in
-  the loop. Gram: max and sum, then a reduce-scatter and an all-gather per restart.
-  """
-  (m, _), _ = ns_orientation(m, n)
-  if team == 1:
-    return ()
-  block = (team - 1) * -(-m // team) * m
-  out = [(team - 1, False), (team - 1, False)]
-  if gram:
-    out += [(block, False)] * (2 * len(range(0, steps, gram_restart)))
-  else:
-    out += [(block, True)] * (3 * steps)
-  return tuple(out)
-
-
-def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_RESTART,
-              compute_dtype=jnp.float32, team: int = 1) -> bool:
-  """Whether ``method`` runs the Gram iteration on an m × n matrix (on a team of ``team``).
-
-  ``"auto"`` chooses it where it needs fewer FLOPs per device and the products run in
-  float32 or wider (in bf16 the Gram matrix's rounding error is squared into the result: measured 3e-2 vs
-  1e-2 for the standard iteration).
-
-  Raises:
-    ValueError: for an unknown method or a non-positive restart interval.
-  """
-  if method not in METHODS:
-    raise ValueError(f"Unknown Newton–Schulz method {method!r}; expected one of {METHODS}.")
-  if isinstance(gram_restart, bool) or not isinstance(gram_restart, int) or gram_restart < 1:
-    raise ValueError(f"gram_restart must be a positive integer, got {gram_restart!r}.")
-  if method != "auto":
-    return method == "gram"
-  return (jnp.finfo(compute_dtype).bits >= 32  # complex64's parts are 32-bit
-          and ns_flops(m, n, steps, True, gram_restart, team)
-          < ns_flops(m, n, steps, team=team))

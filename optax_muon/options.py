@@ -16,10 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon import tree_utils
-from optax_muon.cost_model import CostModel
+from optax_muon.costs import GRAM_RESTART, METHODS, CostModel, matrix_flops
 from optax_muon.layouts import HEADS, KNOWN_LAYOUTS, LayoutRule
-from optax_muon.newton_schulz import (GRAM_RESTART, METHODS, ns_flops, ns_orientation,
-                                      team_collectives, uses_gram)
 
 REPLICA_POLICIES = ("split", "redundant")
 EXCHANGES = ("combined", "per_shape")
@@ -97,46 +95,8 @@ class NSOptions:
 
   def flops(self, m: int, n: int, dtype: Any, steps: int, team: int = 1) -> int:
     """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these options, on
-    each member of a team of ``team`` devices."""
-    (m, n), _ = ns_orientation(m, n)
-    gram = uses_gram(self.method, m, n, steps, self.gram_restart,
-                     self.compute_dtype or jnp.dtype(dtype), team)
-    return ns_flops(m, n, steps, gram, self.gram_restart, team)
-
-  def team_cost(self, m: int, n: int, dtype: Any, team: int, steps: int) -> TeamCost:
-    """What one member of a team of ``team`` devices spends on one m × n matrix."""
-    (m, n), _ = ns_orientation(m, n)
-    compute = jnp.dtype(self.compute_dtype or dtype)
-    gram = uses_gram(self.method, m, n, steps, self.gram_restart, compute, team)
-    collectives = team_collectives(m, n, steps, team, gram, self.gram_restart)
-    return TeamCost(ns_flops(m, n, steps, gram, self.gram_restart, team),
-                    tuple(e * compute.itemsize for e, _ in collectives),
-                    sum(in_loop for _, in_loop in collectives) // steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class TeamCost:
-  """One team member's share of NS of one matrix.
-
-  Attributes:
-    flops: its NS FLOPs.
-    collective_bytes: per collective it runs, the bytes it receives.
-    loop_collectives: how many of those run in each step of the NS loop.
-  """
-
-  flops: int
-  collective_bytes: tuple[int, ...]
-  loop_collectives: int
-
-  def collective_seconds(self, model: CostModel, matrices: int = 1) -> float:
-    """Modelled time of its collectives for ``matrices`` matrices run as one batch (each
-    collective carries all of them)."""
-    return sum(model.collective_seconds(matrices * b) for b in self.collective_bytes)
-
-  def seconds(self, model: CostModel, matrices: int = 1) -> float:
-    """Modelled time of ``matrices`` matrices run as one batch: FLOPs and collectives."""
-    return (model.compute_seconds(matrices * self.flops)
-            + self.collective_seconds(model, matrices))
+    each member of a team of ``team`` devices (``costs.matrix_flops``)."""
+    return matrix_flops(self, m, n, dtype, steps, team)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +115,7 @@ class ShardingOptions:
     cost_model: how fast the devices compute and communicate (``CostModel``); the plan
       splits a matrix over a team of devices where that shortens the modelled critical
       path of the whole tree. ``None``: the profile of ``jax.devices()`` (see
-      ``optax_muon.cost_model.PROFILES``).
+      ``optax_muon.PROFILES``).
 
   Examples:
     >>> import optax_muon

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_muon import tree_utils
+from optax_muon import costs, tree_utils
 from optax_muon.layout import MatrixLayout, is_dimension_numbers, make_layout
 from optax_muon.options import NorMuon, NSOptions, Routing, ShardingOptions
 from optax_muon.plan.build import build_plan
@@ -174,8 +174,8 @@ class TreeSpec:
     if not self.planned:
       return None
     muon = [self.leaves[self.muon_positions[k]] for k in self.planned]
-    cost = functools.partial(self.options.ns.flops, steps=self.options.ns_steps)
-    team_cost = functools.partial(self.options.ns.team_cost, steps=self.options.ns_steps)
+    cost = functools.partial(costs.matrix_flops, self.options.ns, steps=self.options.ns_steps)
+    team_cost = functools.partial(costs.team_cost, self.options.ns, steps=self.options.ns_steps)
     return build_plan([l.layout for l in muon], [l.sharding for l in muon], cost,
                       self.options.sharding, stack=self.options.ns.stack_same_shape,
                       team_cost=team_cost)

@@ -8,8 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_muon import tree_utils
-from optax_muon.cost_model import default_cost_model
+from optax_muon import costs, tree_utils
 from optax_muon.plan.model import Plan
 from optax_muon.qk_clip import ROLES, resolve_projections
 from optax_muon.routing import ADAM, MUON
@@ -87,7 +86,7 @@ def _team_run_of(plan: Plan, index: int):
 def _matrix_seconds(plan: Plan, index: int, team_run) -> float:
   """Modelled NS time of one of the leaf's matrices on the device(s) orthogonalizing it;
   ``team_run`` is ``_team_run_of(plan, index)``."""
-  model = plan.cost_model or default_cost_model()
+  model = plan.cost_model or costs.default_cost_model()
   if team_run is None:
     return model.compute_seconds(plan.leaves[index].flops)
   return team_run[1].cost.seconds(model)
@@ -165,9 +164,9 @@ class RoutingSummary:
               f"{self.total_ns_flops / 1e9:.3f} GFLOP per step.")
     if self.plan is not None and self.plan.sharded:
       footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
-                 f"{self.plan.critical_ns_flops() / 1e9:.3f} GFLOP on the busiest device "
-                 f"(whole-matrix lower bound {self.plan.ns_flops_bound() / 1e9:.3f}); "
-                 f"modelled NS and exchange time {self.plan.critical_seconds() * 1e3:.3g} ms "
+                 f"{costs.critical_ns_flops(self.plan) / 1e9:.3f} GFLOP on the busiest "
+                 f"device (whole-matrix lower bound {costs.ns_flops_bound(self.plan) / 1e9:.3f}); "
+                 f"modelled NS and exchange time {costs.critical_seconds(self.plan) * 1e3:.3g} ms "
                  f"on the busiest device.")
       footer += ("\nk: devices that orthogonalize each matrix together (1: the whole matrix on "
                  "one device); NS ms (model): the cost model's time for one matrix there.")
@@ -257,7 +256,8 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
           row, ns_matrix=(m, n), batch=layout.batch,
           scale=(None if options.consistent_rms == "injected" else float(scale_factor(
               layout.n_in, layout.n_out, options.scale, consistent_rms=consistent_rms))),
-          ns_flops=layout.batch * options.ns.flops(m, n, layout.dtype, options.ns_steps),
+          ns_flops=layout.batch * costs.matrix_flops(options.ns, m, n, layout.dtype,
+                                                     options.ns_steps),
           placement=_placement(plan, plan_index[i], team_run) if sharded else "",
           team=(1 if team_run is None else team_run[0].team_size) if sharded else None,
           ns_seconds=_matrix_seconds(plan, plan_index[i], team_run) if sharded else None)

@@ -197,7 +197,7 @@ def test_gram_iteration_matches_standard(preset, steps, shape):
 
 
 def test_auto_method_picks_gram_only_where_it_saves_flops():
-  from optax_muon.newton_schulz import uses_gram
+  from optax_muon.costs import uses_gram
   assert uses_gram("auto", 256, 1024, 5)
   assert not uses_gram("auto", 256, 256, 5)
   assert not uses_gram("auto", 256, 1024, 5, compute_dtype=jnp.bfloat16)

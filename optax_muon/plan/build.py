@@ -7,9 +7,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optax_muon.cost_model import CostModel, default_cost_model
+from optax_muon.costs import CostModel, TeamCost, default_cost_model
 from optax_muon.layout import MatrixLayout
-from optax_muon.options import ShardingOptions, TeamCost
+from optax_muon.options import ShardingOptions
 from optax_muon.plan.exchanges import make_exchange
 from optax_muon.plan.grouping import (ExchangeBuckets, MeshShape, group_leaves, mesh_shape_of,
                                       place_leaves)

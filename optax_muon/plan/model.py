@@ -45,9 +45,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_muon.cost_model import CostModel, default_cost_model
+from optax_muon import costs
+from optax_muon.costs import CostModel, TeamCost
 from optax_muon.layout import MatrixLayout
-from optax_muon.options import TeamCost
 from optax_muon.sharding import LeafSharding
 
 
@@ -199,14 +199,6 @@ class TeamRun:
     """What a program needs to know of the run."""
     return TeamRunKey(self.bucket, self.leaf, self.split_dim, len(self.matrices))
 
-  @property
-  def flops(self) -> int:
-    return len(self.matrices) * self.cost.flops
-
-  def collective_seconds(self, model: CostModel) -> float:
-    """Modelled time of its collectives (each carries all of the run's matrices)."""
-    return self.cost.collective_seconds(model, len(self.matrices))
-
 
 # A team's program: its runs' keys, in order.
 TeamProgram = tuple[TeamRunKey, ...]
@@ -242,7 +234,7 @@ class Exchange:
     return [sum(len(mine) * b.piece_size(exchange_size) for mine, b in zip(owned, self.buckets))
             for owned in self.owned]
 
-  def _per_worker(self, per_run) -> np.ndarray:
+  def per_worker(self, per_run) -> np.ndarray:
     """Per worker, the sum of ``per_run(run)`` over its team's runs (0 without teams)."""
     per_team = [sum(per_run(r) for r in runs) for runs in self.teams] or [0]
     return np.asarray(per_team)[np.arange(len(self.owned)) // self.team_size
@@ -251,7 +243,7 @@ class Exchange:
   def team_elements(self, exchange_size: int) -> list[int]:
     """Per worker, the elements each device sends it for its team's runs."""
     del exchange_size  # the runs know their blocks
-    return self._per_worker(lambda r: len(r.matrices) * r.block).tolist()
+    return self.per_worker(lambda r: len(r.matrices) * r.block).tolist()
 
   def owned_elements(self, exchange_size: int) -> list[int]:
     """Per worker, the elements each device sends it."""
@@ -261,26 +253,6 @@ class Exchange:
   def chunk(self, exchange_size: int) -> int:
     """Elements each device sends to each peer: the busiest worker's blocks and pieces."""
     return max(self.owned_elements(exchange_size))
-
-  def program_flops(self) -> tuple[int, ...]:
-    """NS FLOPs of each program of whole matrices."""
-    return tuple(sum(count * b.flops for runs, b in zip(p, self.buckets) for _, count in runs)
-                 for p in self.programs)
-
-  def team_program_flops(self) -> tuple[int, ...]:
-    """NS FLOPs of each team program, on each member."""
-    flops = {}
-    for runs in self.teams:
-      flops[tuple(r.key for r in runs)] = sum(r.flops for r in runs)
-    return tuple(flops[p] for p in self.team_programs)
-
-  def worker_team_flops(self) -> np.ndarray:
-    """Per worker, its NS FLOPs in its team."""
-    return self._per_worker(lambda r: r.flops).astype(np.int64)
-
-  def worker_team_collective_seconds(self, model: CostModel) -> np.ndarray:
-    """Per worker, the modelled time of its team's collectives."""
-    return self._per_worker(lambda r: r.collective_seconds(model)).astype(np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,92 +332,33 @@ class Plan:
   def sharded(self) -> bool:
     return any(g.sharded for g in self.groups)
 
+  # The plan's figures per device, counted in ``optax_muon.costs``.
+
   def device_ns_flops(self) -> np.ndarray:
-    """NS FLOPs each device runs per step, as an array of the mesh's shape."""
-    loads = np.zeros([size for _, size in self.mesh_shape], np.int64)
-    for group in self.groups:
-      worker = group.worker_of_devices(self.mesh_shape)
-      for ex in group.exchanges:
-        flops = np.asarray(ex.program_flops(), np.int64)[np.asarray(ex.program_of)]
-        loads = loads + (flops + ex.worker_team_flops())[worker]
-    return loads
+    """NS FLOPs each device runs per step (``costs.device_ns_flops``)."""
+    return costs.device_ns_flops(self)
 
   def device_received_bytes(self, ragged: bool = False) -> np.ndarray:
-    """Bytes each device receives per step, as an array of the mesh's shape.
-
-    Args:
-      ragged: count only the pieces each device needs, as ``jax.lax.ragged_all_to_all``
-        would send them, instead of the equal chunks of ``jax.lax.all_to_all`` (which is
-        what runs: XLA:CPU does not implement the ragged collective).
-
-    Returns:
-      Per device: the all-to-all over X each way (chunks of the busiest worker's size from
-      each of the g − 1 peers), plus the all-gather of the replicas' results when they
-      split the work.
-    """
-    received = np.zeros([size for _, size in self.mesh_shape], np.float64)
-    for group in self.groups:
-      if group.workers == 1:
-        continue
-      worker = group.worker_of_devices(self.mesh_shape)
-      g, replicas = group.exchange_size, group.workers // group.exchange_size
-      for ex in group.exchanges:
-        wire = self.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
-        itemsize = np.dtype(wire).itemsize
-        # Elements one device sends each worker: its piece of every matrix the worker owns.
-        owned = np.array(ex.owned_elements(g), np.float64)
-        if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
-          per_worker = (g - 1) * owned + owned.sum() - owned
-        else:
-          chunk = ex.chunk(g)
-          per_worker = np.full(group.workers, (2 * (g - 1) + (replicas - 1) * g) * chunk)
-        received += itemsize * per_worker[worker]
-    return received
-
-  def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
-    """Per ``lax.switch`` (an exchange with several programs of whole matrices, or with
-    several team programs): each branch's NS FLOPs, and the branch every device takes (an
-    array of the mesh's shape)."""
-    out = []
-    for group in self.groups:
-      worker = group.worker_of_devices(self.mesh_shape)
-      for ex in group.exchanges:
-        if len(ex.programs) > 1:
-          out.append((ex.program_flops(), np.asarray(ex.program_of)[worker]))
-        if len(ex.team_programs) > 1:
-          out.append((ex.team_program_flops(),
-                      np.asarray(ex.team_program_of)[worker // ex.team_size]))
-    return out
+    """Bytes each device receives per step (``costs.device_received_bytes``)."""
+    return costs.device_received_bytes(self, ragged)
 
   def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
-    """Modelled NS and exchange time of each device per step, as an array of the mesh's
-    shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its
-    all-to-alls (and replica all-gathers).
-
-    Args:
-      model: the cost model; ``None`` takes the plan's (or, if none, the default profile).
-    """
-    model = model or self.cost_model or default_cost_model()
-    seconds = self.device_ns_flops() / model.flops_per_second
-    seconds = seconds + self.device_received_bytes() / model.bytes_per_second
-    for group in self.groups:
-      if group.workers == 1:
-        continue
-      worker = group.worker_of_devices(self.mesh_shape)
-      for ex in group.exchanges:
-        seconds = seconds + (2 * (group.exchange_size > 1) + group.split) * (
-            model.collective_latency) + ex.worker_team_collective_seconds(model)[worker]
-    return seconds
+    """Modelled NS and exchange time of each device per step (``costs.device_seconds``)."""
+    return costs.device_seconds(self, model)
 
   def critical_seconds(self, model: CostModel | None = None) -> float:
-    """Modelled time of the busiest device (see ``device_seconds``)."""
-    return float(self.device_seconds(model).max())
+    """Modelled time of the busiest device (``costs.critical_seconds``)."""
+    return costs.critical_seconds(self, model)
 
   def critical_ns_flops(self) -> int:
-    """NS FLOPs of the busiest device."""
-    return int(self.device_ns_flops().max())
+    """NS FLOPs of the busiest device (``costs.critical_ns_flops``)."""
+    return costs.critical_ns_flops(self)
 
   def ns_flops_bound(self) -> float:
-    """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS FLOPs."""
-    costs = [(p.layout.batch, p.flops) for p in self.leaves]
-    return max(sum(k * c for k, c in costs) / self.device_count, max(c for _, c in costs))
+    """The lower bound on the busiest device's NS FLOPs (``costs.ns_flops_bound``)."""
+    return costs.ns_flops_bound(self)
+
+  def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    """Each ``lax.switch``'s branch FLOPs and the branch every device takes
+    (``costs.switches``)."""
+    return costs.switches(self)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optax_muon.cost_model import CostModel
+from optax_muon.costs import CostModel
 from optax_muon.plan.grouping import ExchangeBuckets, MeshShape
 from optax_muon.plan.model import Bucket, Group, LeafPlacement
 from optax_muon.plan.teams import Kind, TeamSplit

@@ -18,8 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from optax_muon.cost_model import CostModel
-from optax_muon.options import TeamCost
+from optax_muon.costs import CostModel, TeamCost, critical_seconds
 from optax_muon.plan.grouping import ExchangeBuckets
 from optax_muon.plan.model import Bucket, Group, LeafPlacement, Plan
 
@@ -175,7 +174,7 @@ def choose_teams(whole: Plan, plan_with: Callable[[dict[int, TeamSplit]], Plan],
   Returns:
     The chosen plan.
   """
-  best_plan, best_seconds = whole, whole.critical_seconds(model)
+  best_plan, best_seconds = whole, critical_seconds(whole, model)
   limit = best_seconds * (1 - SPLIT_MARGIN)
   splits: dict[int, TeamSplit] = {}
   for e, exchange in enumerate(exchanges):
@@ -195,7 +194,7 @@ def choose_teams(whole: Plan, plan_with: Callable[[dict[int, TeamSplit]], Plan],
         if _lower_bound(split, kinds, order, group.workers, model) >= min(best_seconds, limit):
           continue
         plan = plan_with({**splits, e: split})
-        seconds = plan.critical_seconds(model)
+        seconds = critical_seconds(plan, model)
         if seconds < min(best_seconds, limit):
           best_plan, best_seconds, found = plan, seconds, split
     if found is not None:
