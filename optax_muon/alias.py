@@ -13,15 +13,15 @@ from optax_muon.layout import is_dimension_numbers
 from optax_muon.momentum import moment_dtype
 from optax_muon.options import (NorMuon, NSOptions, Routing, ShardingOptions, check_number,
                                 check_option)
-from optax_muon.qk_clip import QKClip, then_clip
+from optax_muon.qk_clip import QKClip
 from optax_muon.routing import ADAM, MUON
 from optax_muon.scaling import check_shape_scale
 from optax_muon.sharding import inside_shard_map, place_like_params
 from optax_muon.spec import MuonOptions, tree_spec
 from optax_muon.tree_utils import check_same_shapes
 from optax_muon.user_warnings import OncePerTransformation
-from optax_muon.transform import (MuonHyperparams, MuonState, muon_transformation,
-                                  resolve_muon_arguments, static_or_injected)
+from optax_muon.transform import (MuonHyperparams, MuonState, branch_options, muon_direction,
+                                  resolve_muon_arguments, shape_scaling, static_or_injected)
 from optax_muon.weight_decay import add_cautious_decayed_weights
 
 #: AdamW's epsilon when ``eps`` is not given (optax's default).
@@ -46,6 +46,41 @@ def with_float32_moments(inner: optax.GradientTransformation) -> optax.GradientT
     wide_params = None if params is None else widen(params)
     out, state = inner.update(widen(updates), state, wide_params, **extra_args)
     return jax.tree.map(lambda x, d: x.astype(d), out, dtypes), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def followed_by_stateless(tx: optax.GradientTransformation,
+                          *stages: optax.GradientTransformation
+                          ) -> optax.GradientTransformationExtraArgs:
+  """``tx``, then each of ``stages`` (transformations without state), with ``tx``'s state.
+
+  ``optax.chain`` would add an empty entry per stage to the state; this keeps the state's
+  structure what ``tx`` alone gives, so that the shape factor and QK-clip leave it as it
+  was (and turning QK-clip on or off leaves checkpoints compatible).
+
+  Args:
+    tx: the transformation whose state is kept.
+    *stages: stateless transformations, applied in order after ``tx``; their ``init`` runs
+      too (it validates).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` forwards every extra argument
+    to every stage that takes it.
+  """
+  tx = optax.with_extra_args_support(tx)
+  stages = tuple(optax.with_extra_args_support(stage) for stage in stages)
+
+  def init_fn(params):
+    for stage in stages:
+      stage.init(params)
+    return tx.init(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = tx.update(updates, state, params, **extra_args)
+    for stage in stages:
+      updates, _ = stage.update(updates, optax.EmptyState(), params, **extra_args)
+    return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -88,7 +123,9 @@ def muon(
   (which leaves go to AdamW by default, the coefficient-table slicing), the README's
   "Coming from optax.contrib.muon" says so.
 
-  Muon leaves: W ← W − η·(scale(n_in, n_out)·NS(momentum) + λ·W) (decoupled decay λ).
+  Muon leaves: W ← W − η·(scale(n_in, n_out)·NS(momentum) + λ·W) (decoupled decay λ): the
+  direction of ``scale_by_muon``, then ``scale_by_shape``, then the weight decay, then the
+  learning rate, as ``optax.contrib.muon`` chains them.
   AdamW leaves: ``optax.adamw`` with optax's ``nesterov`` (NAdamW by default, as
   ``optax.contrib.muon``), with float32 moments for 16-bit leaves.
   Routing (see ``Routing``, ``route`` and ``summarize``): ``routing.labels`` if given,
@@ -184,14 +221,16 @@ def muon(
       check_option("normalization", normalization, NorMuon), scale,
       static_or_injected(consistent_rms), cautious_weight_decay,
       check_option("qk_clip", qk_clip, QKClip))
-  muon_part = muon_transformation(options, MuonHyperparams(
-      coefficients, preconditioning, beta, momentum, nesterov, mu_dtype, adaptive,
-      consistent_rms))
+  direction = muon_direction(options, MuonHyperparams(
+      coefficients, preconditioning, beta, momentum, nesterov, mu_dtype, adaptive))
   # The decay stage is always there (even for λ = 0) so that the state's structure does
   # not depend on whether λ is a Python number or traced (optax.inject_hyperparams).
   decay = add_cautious_decayed_weights if cautious_weight_decay else optax.add_decayed_weights
-  muon_chain = optax.chain(muon_part, decay(weight_decay, weight_decay_mask),
-                           optax.scale_by_learning_rate(learning_rate))
+  muon_chain = optax.chain(
+      followed_by_stateless(direction, shape_scaling(branch_options(options), consistent_rms,
+                                                     scale)),
+      decay(weight_decay, weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate))
   # optax.adamw's own chain, with the decay stage chosen above.
   adam_chain = with_float32_moments(optax.chain(
       optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=ADAM_EPS if eps is None else eps,
@@ -202,7 +241,7 @@ def muon(
   tx = optax.partition({MUON: muon_chain, ADAM: adam_chain},
                        lambda params: tree_spec(params, options).labels(params))
   if qk_clip is not None:
-    tx = then_clip(tx, qk_clip.transformation())
+    tx = followed_by_stateless(tx, qk_clip.transformation())
   return _checked_and_placed(tx, options)
 
 

@@ -365,31 +365,3 @@ def qk_clip(threshold: jax.typing.ArrayLike = 100.0, alpha: jax.typing.ArrayLike
     return jax.tree_util.tree_unflatten(treedef, out), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def then_clip(tx: optax.GradientTransformation,
-              clip: optax.GradientTransformationExtraArgs
-              ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` followed by ``clip``, keeping ``tx``'s state as it is (``clip`` has none), so
-  that turning QK-clip on or off leaves the optimizer state's structure unchanged.
-
-  Args:
-    tx: the optimizer, learning rate included.
-    clip: a ``qk_clip`` transformation.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` with ``tx``'s ``init``; its ``update``
-    forwards every extra argument to both.
-  """
-  tx = optax.with_extra_args_support(tx)
-
-  def init_fn(params):
-    clip.init(params)  # Validates the heads declaration now.
-    return tx.init(params)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    updates, state = tx.update(updates, state, params, **extra_args)
-    updates, _ = clip.update(updates, optax.EmptyState(), params, **extra_args)
-    return updates, state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,4 +1,5 @@
-"""``scale_by_muon``: momentum → Newton–Schulz → (NorMuon) → scale, for ``optax.chain``."""
+"""``scale_by_muon``: momentum → Newton–Schulz → (NorMuon) → (⟨n, O⟩), and ``scale_by_shape``:
+the shape factor; ``muon``'s Muon branch chains the two."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class MuonState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MuonHyperparams:
-  """The values of one Muon transformation that may change between runs or be traced
+  """The values of Muon's direction that may change between runs or be traced
   (``optax.inject_hyperparams``); ``MuonOptions`` holds the static rest.
 
   Attributes:
@@ -50,7 +51,6 @@ class MuonHyperparams:
     nesterov: the Nesterov look-ahead.
     mu_dtype: the momentum's dtype, or None.
     adaptive: multiply by ⟨n, NS(n)⟩.
-    consistent_rms: k of the RMS-matching factor, or None.
   """
 
   coefficients: NSCoefficients
@@ -60,21 +60,28 @@ class MuonHyperparams:
   nesterov: bool = True
   mu_dtype: Any = None
   adaptive: bool = False
-  consistent_rms: Any = None
 
 
-def muon_transformation(options: MuonOptions, hyper: MuonHyperparams,
-                        warnings: OncePerTransformation | None = None
-                        ) -> optax.GradientTransformationExtraArgs:
-  """Muon's update of every leaf it receives: the four stages, in order.
+def branch_options(options: MuonOptions) -> MuonOptions:
+  """``options`` as the stages of ``muon``'s Muon branch apply them: every leaf they receive
+  is a Muon leaf (``optax.partition`` masks the others), with the dimension numbers the
+  routing gives it."""
+  if options.routing is None:
+    return options
+  return dataclasses.replace(options, routing=None, weight_dimension_numbers=(
+      RoutedDimensionNumbers(options.routing, options.weight_dimension_numbers)))
+
+
+def muon_direction(options: MuonOptions, hyper: MuonHyperparams,
+                   warnings: OncePerTransformation | None = None
+                   ) -> optax.GradientTransformationExtraArgs:
+  """Muon's direction for every leaf it receives: momentum, NS, NorMuon, ⟨n, O⟩, in order.
 
   ``options.routing`` is not applied here (``muon`` routes with ``optax.partition``);
   ``init`` reports ``options`` whole, so that ``summarize`` can show the routing, and
   issues the spec's warnings through ``warnings`` (``muon`` issues its own).
   """
-  received = options if options.routing is None else dataclasses.replace(
-      options, routing=None, weight_dimension_numbers=RoutedDimensionNumbers(
-          options.routing, options.weight_dimension_numbers))
+  received = branch_options(options)
   ns = functools.partial(orthogonalize_block, table=hyper.coefficients,
                          compute_dtype=options.ns.compute_dtype,
                          preconditioning=hyper.preconditioning, method=options.ns.method,
@@ -114,13 +121,10 @@ def muon_transformation(options: MuonOptions, hyper: MuonHyperparams,
       pairs = [normalize_neurons(x, v, options.normalization.beta, leaf.layout, leaf.sharding)
                for x, v, leaf in zip(o, spec.take(nu), muon)]
       o, nu = [x for x, _ in pairs], spec.put(nu, [v for _, v in pairs])
-    # 4. Scale: the shape factor, and ⟨n, O⟩ with ``adaptive``.
-    factors = [scale_factor(leaf.layout.n_in, leaf.layout.n_out, options.scale,
-                            consistent_rms=hyper.consistent_rms) for leaf in muon]
+    # 4. Scale by ⟨n, O⟩ with ``adaptive`` (the shape factor is ``scale_by_shape``'s).
     if hyper.adaptive:
-      factors = [f * n_scale * dual_norm_scale(x, y, leaf.sharding)
-                 for f, x, y, leaf in zip(factors, o, n, muon)]
-    out = [(f * x).astype(g.dtype) for f, x, g in zip(factors, o, grads)]
+      o = [n_scale * dual_norm_scale(x, y, leaf.sharding) * x for x, y, leaf in zip(o, n, muon)]
+    out = [x.astype(g.dtype) for x, g in zip(o, grads)]
     return spec.put(updates, out), MuonState(count, spec.put(state.mu, mu), nu)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -255,7 +259,7 @@ def scale_by_muon(
       weight_dimension_numbers, param_shardings,
       check_option("sharding", sharding, ShardingOptions, ShardingOptions()),
       normalization=check_option("normalization", normalization, NorMuon))
-  return muon_transformation(options, MuonHyperparams(
+  return muon_direction(options, MuonHyperparams(
       coefficients, preconditioning, beta, momentum, nesterov, mu_dtype, adaptive),
       OncePerTransformation())
 
@@ -287,7 +291,23 @@ def scale_by_shape(weight_dimension_numbers: Any = None,
     2.0
   """
   check_shape_scale(scale, consistent_rms)
-  options = MuonOptions(0, weight_dimension_numbers=weight_dimension_numbers)
+  return shape_scaling(MuonOptions(0, weight_dimension_numbers=weight_dimension_numbers),
+                       consistent_rms, scale)
+
+
+def shape_scaling(options: MuonOptions, consistent_rms: jax.typing.ArrayLike | None,
+                  scale: str | None) -> optax.GradientTransformation:
+  """``scale_by_shape`` of the Muon leaves ``options`` finds among the updates (with their
+  layouts and, inside ``shard_map``, their global shapes from ``options.param_shardings``).
+
+  Args:
+    options: the Muon transformation's options (``branch_options`` of ``muon``'s).
+    consistent_rms: k of the RMS-matching factor, or None.
+    scale: the shape factor's kind.
+
+  Returns:
+    A stateless ``optax.GradientTransformation``.
+  """
 
   def update_fn(updates, state, params=None):
     del params
