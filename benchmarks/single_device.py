@@ -73,7 +73,7 @@ def import_baseline(rev: str, directory: str):
   subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
   package = pathlib.Path(directory) / name
   (pathlib.Path(directory) / "optax_muon").rename(package)
-  for source in package.glob("*.py"):
+  for source in package.rglob("*.py"):  # subpackages (optax_muon.plan) too
     source.write_text(source.read_text().replace("optax_muon", name))
   sys.path.insert(0, directory)
   return importlib.import_module(name)
