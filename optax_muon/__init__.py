@@ -17,15 +17,15 @@ from optax_muon.alias import muon
 from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
                                      resolve_coefficients, singular_value_range)
 from optax_muon.costs import PROFILES, CostModel, default_cost_model, ns_flops
-from optax_muon.diagnostics import diagnostics
 from optax_muon.layout import MuonDimensionNumbers
 from optax_muon.layouts import KNOWN_LAYOUTS, LOGICAL_AXIS_ROLES, LayoutRule
-from optax_muon.newton_schulz import PRECONDITIONINGS, msign, newton_schulz
+from optax_muon.orthogonalization import PRECONDITIONINGS, msign, newton_schulz
 from optax_muon.options import DEFAULT_ADAM_PATTERN, NorMuon, NSOptions, Routing, ShardingOptions
-from optax_muon.qk_clip import QKClip, QKClipHeads, qk_clip
+from optax_muon.qk_clipping import QKClip, QKClipHeads, qk_clip
 from optax_muon.routing import Reason, Route, infer_dimension_numbers, route
 from optax_muon.scaling import scale_factor
 from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
+from optax_muon.step_diagnostics import diagnostics
 from optax_muon.summary import LeafSummary, RoutingSummary, summarize
 from optax_muon.transform import MuonState, scale_by_muon, scale_by_shape
 from optax_muon.weight_decay import add_cautious_decayed_weights

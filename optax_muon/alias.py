@@ -13,7 +13,7 @@ from optax_muon.layout import is_dimension_numbers
 from optax_muon.momentum import moment_dtype
 from optax_muon.options import (NorMuon, NSOptions, Routing, ShardingOptions, check_number,
                                 check_option)
-from optax_muon.qk_clip import QKClip
+from optax_muon.qk_clipping import QKClip
 from optax_muon.routing import ADAM, MUON
 from optax_muon.scaling import check_shape_scale
 from optax_muon.sharding import inside_shard_map, place_like_params

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon.newton_schulz import MeshTeam
+from optax_muon.orthogonalization import MeshTeam
 from optax_muon.plan.model import Exchange, Group, LeafPlacement, Plan, Program, TeamProgram
 from optax_muon.spec import TreeSpec
 
 # Newton–Schulz of a (batch, m, n) stack of canonical matrices (m ≤ n), or, with
-# ``team=``, of each team member's columns of them (``newton_schulz.orthogonalize_block``).
+# ``team=``, of each team member's columns of them (``orthogonalization.orthogonalize_block``).
 NSFunction = Callable[..., jax.Array]
 
 

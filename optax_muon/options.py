@@ -3,7 +3,7 @@
 ``scale_by_muon`` and ``muon`` take optax.contrib's arguments as they are; what this package
 adds comes grouped here, one object per concept: how Newton–Schulz runs (``NSOptions``),
 how sharded leaves are exchanged (``ShardingOptions``), NorMuon (``NorMuon``) and which leaf
-goes to which optimizer (``Routing``). QK-clip's options live with it (``qk_clip.QKClip``).
+goes to which optimizer (``Routing``). QK-clip's options live with it (``qk_clipping.QKClip``).
 Every field is checked when the object is made, with a ``ValueError`` naming the field.
 """
 

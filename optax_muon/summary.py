@@ -10,7 +10,7 @@ import numpy as np
 
 from optax_muon import costs, tree_utils
 from optax_muon.plan.model import Plan
-from optax_muon.qk_clip import ROLES, resolve_projections
+from optax_muon.qk_clipping import ROLES, resolve_projections
 from optax_muon.routing import ADAM, MUON
 from optax_muon.scaling import scale_factor
 from optax_muon.spec import MuonOptions, TreeSpec, reporting_options, tree_spec

@@ -14,7 +14,7 @@ import optax
 from optax_muon.coefficients import CoefficientsLike, NSCoefficients, resolve_coefficients
 from optax_muon.executor import orthogonalize
 from optax_muon.momentum import moment_dtype, momentum_step
-from optax_muon.newton_schulz import PRECONDITIONINGS, orthogonalize_block
+from optax_muon.orthogonalization import PRECONDITIONINGS, orthogonalize_block
 from optax_muon.normuon import init_moment, normalize_neurons
 from optax_muon.options import (MOMENTUM_KINDS, NorMuon, NSOptions, ShardingOptions,
                                 check_number, check_option)

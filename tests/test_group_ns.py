@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_cost
 import optax_muon as om
 from helpers import rel_err
-from optax_muon.newton_schulz import MeshTeam, orthogonalize_block
+from optax_muon.orthogonalization import MeshTeam, orthogonalize_block
 
 M, N = 24, 96
 

@@ -27,7 +27,7 @@ each compiled with its own NS code, so an exchange is then re-dealt as two patte
 idle workers) where that costs neither FLOPs on the busiest device nor chunk size.
 
 Where devices outnumber matrices, one matrix's NS can be shared by a team of k workers
-(group NS, ``newton_schulz.MeshTeam``): each member gets about n/k of its columns, the
+(group NS, ``orthogonalization.MeshTeam``): each member gets about n/k of its columns, the
 Gram matrix is all-reduced within the team every step, and every NS FLOP is divided by k.
 The teams of an exchange are the blocks of k consecutive workers; a team's work is a
 ``lax.switch`` branch all of its members take, so teams and whole-matrix owners coexist.
