@@ -16,6 +16,8 @@ import math
 import re
 from collections import defaultdict
 
+import numpy as np
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
                 "c128": 16}
@@ -306,3 +308,29 @@ def _line_has_product(line: str, products) -> bool:
   if inst.group(3) in ("dot", "convolution"):
     return True
   return any(products(c) for c in _CALLEE.findall(line))
+
+
+def compiled_device_flops(cost, plan) -> np.ndarray:
+  """Each device's compiled NS FLOPs, as an array of the mesh's shape.
+
+  The HLO gives each ``lax.switch`` branch's FLOPs; the plan says which branch each device
+  takes. A conditional is matched to the plan's switch with the same branch FLOPs.
+
+  Raises:
+    ValueError: if the compiled conditionals don't match the plan's switches.
+  """
+  switches = plan.switches()
+  branches = [tuple(c.branch_flops) for c in cost.conditionals]
+  if sorted(branches) != sorted(flops for flops, _ in switches):
+    raise ValueError(f"compiled branches {branches} are not the plan's "
+                     f"{[flops for flops, _ in switches]}")
+  unmatched = list(switches)
+  choice = []
+  for flops in branches:
+    k = next(k for k, s in enumerate(unmatched) if s[0] == flops)
+    choice.append(unmatched.pop(k)[1])
+  shape = [size for _, size in plan.mesh_shape]
+  out = np.zeros(shape, np.int64)
+  for index in np.ndindex(*shape):
+    out[index] = cost.device_dot_flops([int(c[index]) for c in choice])
+  return out

@@ -85,34 +85,9 @@ from trees import (gpt_tree, llama_tree, moe_tree, muon_dims,  # noqa: E402
                    require_optax_contrib_muon, stacked_dims)
 
 import hlo_cost  # noqa: E402  (this checkout's HLO reader, also when optax_muon is the baseline's)
+from hlo_cost import compiled_device_flops  # noqa: E402
 
 ADAM = ("embed", "lm_head")
-
-
-def compiled_device_flops(cost, plan) -> np.ndarray:
-  """Each device's compiled NS FLOPs, as an array of the mesh's shape.
-
-  The HLO gives each ``lax.switch`` branch's FLOPs; the plan says which branch each device
-  takes. A conditional is matched to the plan's switch with the same branch FLOPs.
-
-  Raises:
-    ValueError: if the compiled conditionals don't match the plan's switches.
-  """
-  switches = plan.switches()
-  branches = [tuple(c.branch_flops) for c in cost.conditionals]
-  if sorted(branches) != sorted(flops for flops, _ in switches):
-    raise ValueError(f"compiled branches {branches} are not the plan's "
-                     f"{[flops for flops, _ in switches]}")
-  unmatched = list(switches)
-  choice = []
-  for flops in branches:
-    k = next(k for k, s in enumerate(unmatched) if s[0] == flops)
-    choice.append(unmatched.pop(k)[1])
-  shape = [size for _, size in plan.mesh_shape]
-  out = np.zeros(shape, np.int64)
-  for index in np.ndindex(*shape):
-    out[index] = cost.device_dot_flops([int(c[index]) for c in choice])
-  return out
 
 
 def fsdp_specs(params, axes):

@@ -11,7 +11,8 @@ from jax.sharding import AxisType, NamedSharding
 import hlo_cost
 import optax_muon as om
 from helpers import rel_err
-from sharding import compiled_device_flops, fsdp_specs
+from hlo_cost import compiled_device_flops
+from sharding import fsdp_specs
 from trees import gpt_tree, muon_dims
 
 

@@ -18,7 +18,7 @@ import sharding
 import test_sharded as base
 from helpers import rel_err
 from optax_muon.plan import build_plan
-from sharding import compiled_device_flops
+from hlo_cost import compiled_device_flops
 from trees import moe_tree, stacked_dims
 
 FREE = om.CostModel(1e12, math.inf, 0.0)  # communication costs nothing

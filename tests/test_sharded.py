@@ -19,7 +19,7 @@ from optax_muon import costs
 from optax_muon.layout import make_layout
 from optax_muon.plan import build_plan
 from optax_muon.sharding import LeafSharding, dim_axes_of
-from sharding import compiled_device_flops
+from hlo_cost import compiled_device_flops
 from trees import gpt_tree, muon_dims, random_like
 
 D, LAYERS = 32, 4
