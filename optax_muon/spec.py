@@ -1,21 +1,20 @@
-"""The static spec of a tree: computed once from shapes, dtypes, shardings and options.
+"""The static spec of a tree: computed from shapes, dtypes, shardings and options.
 
 ``tree_spec(tree, options)`` is the one place that decides, per leaf, where it goes (Muon or
 AdamW, and why), how it is seen as matrices (its layout, with the side Newton–Schulz runs
 on), how it lies on the mesh, and, for the Muon leaves, the orthogonalization plan. It is a
-pure function of Python values (no arrays), memoized per tree; ``init``, ``update``,
-``summarize`` and ``diagnostics`` all read it, and nothing downstream re-derives any of it.
+pure function of Python values (no arrays, nothing remembered between calls); ``init``,
+``update``, ``summarize`` and ``diagnostics`` each call it, and nothing downstream
+re-derives any of it. The plan is built only where it is read (once per trace of
+``update``, once per ``summarize``).
 
 ``MuonOptions`` is what the spec depends on, and what ``summarize`` shows besides: the
-static options of one Muon transformation. A Muon transformation's ``init`` reports them
-while ``reporting_options`` is active, so tools find them by tracing the ``init`` of
-whatever holds it (``optax.chain``, ``optax.inject_hyperparams``, ``MultiSteps``, an
-``nnx.Optimizer``...), with no attributes on the transformation and nothing in its state.
+static options of one Muon transformation. Tools find them with ``reporting_options``
+(see there for why they are not found anywhere simpler).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -85,7 +84,7 @@ class MuonOptions:
   def _hash(self) -> int:
     return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
-  def __hash__(self) -> int:  # part of the spec's memo key
+  def __hash__(self) -> int:  # computed once: the frozen trees inside can be large
     return self._hash
 
 
@@ -95,7 +94,21 @@ _REPORTED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def reporting_options() -> Iterator[list[MuonOptions]]:
-  """Collects the options every Muon transformation's ``init`` reports inside the block."""
+  """Collects the options every Muon transformation's ``init`` reports inside the block.
+
+  ``summarize(params, tx)`` traces ``tx.init`` (``jax.eval_shape``) inside this block, so
+  it finds Muon's options wherever ``tx`` holds it: ``optax.chain``, ``optax.partition``,
+  ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite``, an
+  ``nnx.Optimizer``. Nothing simpler reaches them: the caller holds only ``tx``, whose
+  options live in closures; attributes set on a transformation vanish inside those
+  wrappers; and the state could carry them only as a static pytree node, which changes the
+  state's structure and which ``flax.serialization`` (linen ``TrainState`` checkpoints)
+  cannot serialize. Outside the block ``init`` reports to no one: the context variable is
+  set only while a tool asks.
+
+  Yields:
+    The list the reported options are appended to.
+  """
   found: list[MuonOptions] = []
   token = _REPORTED.set(found)
   try:
@@ -204,25 +217,8 @@ class TreeSpec:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-_CACHE: collections.OrderedDict = collections.OrderedDict()
-_CACHE_SIZE = 64
-
-
-def _cache_key(tree: Any, options: MuonOptions, manual: bool) -> Any:
-  positions, treedef = tree_utils.flatten_positions(tree)
-  leaves = tuple(None if not tree_utils.is_array_leaf(leaf) else
-                 (tuple(leaf.shape), np.dtype(leaf.dtype), typed_sharding(leaf))
-                 for _, leaf in positions)
-  key = (treedef, leaves, options, manual, jax.sharding.get_abstract_mesh())
-  try:
-    hash(key)
-  except TypeError:  # e.g. a Flax wrapper with unhashable metadata in the treedef
-    return None
-  return key
-
-
 def tree_spec(tree: Any, options: MuonOptions) -> TreeSpec:
-  """The spec of ``tree`` under ``options`` (memoized per tree).
+  """The spec of ``tree`` under ``options``.
 
   Args:
     tree: params or updates: arrays, tracers or ``jax.ShapeDtypeStruct`` objects; inside
@@ -236,17 +232,7 @@ def tree_spec(tree: Any, options: MuonOptions) -> TreeSpec:
     ValueError: naming the leaf, for routing, dimension numbers or shardings that don't fit
       the tree, and for leaves Muon can't take.
   """
-  manual = inside_shard_map()
-  key = _cache_key(tree, options, manual)
-  if key is not None and key in _CACHE:
-    _CACHE.move_to_end(key)
-    return _CACHE[key]
-  spec = _build(tree, options, manual)
-  if key is not None:
-    _CACHE[key] = spec
-    if len(_CACHE) > _CACHE_SIZE:
-      _CACHE.popitem(last=False)
-  return spec
+  return _build(tree, options, inside_shard_map())
 
 
 def _build(tree: Any, options: MuonOptions, manual: bool) -> TreeSpec:
