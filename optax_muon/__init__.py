@@ -24,7 +24,6 @@ from optax_muon.options import DEFAULT_ADAM_PATTERN, NorMuon, NSOptions, Routing
 from optax_muon.qk_clipping import QKClip, QKClipHeads, qk_clip
 from optax_muon.routing import Reason, Route, infer_dimension_numbers, route
 from optax_muon.scaling import scale_factor
-from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
 from optax_muon.step_diagnostics import diagnostics
 from optax_muon.summary import LeafSummary, RoutingSummary, summarize
 from optax_muon.transform import MuonState, scale_by_muon, scale_by_shape
@@ -40,7 +39,6 @@ __all__ = [
     "LayoutRule",
     "LeafSummary",
     "MuonDimensionNumbers",
-    "MuonOptions",
     "MuonState",
     "NSCoefficients",
     "NSOptions",
@@ -55,7 +53,6 @@ __all__ = [
     "Routing",
     "RoutingSummary",
     "ShardingOptions",
-    "TreeSpec",
     "add_cautious_decayed_weights",
     "default_cost_model",
     "diagnostics",
@@ -73,5 +70,4 @@ __all__ = [
     "scale_factor",
     "singular_value_range",
     "summarize",
-    "tree_spec",
 ]
