@@ -10,6 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import optax_muon  # noqa: E402
+from sphinx.pycode import ModuleAnalyzer  # noqa: E402
 
 project = "optax_muon"
 author = "optax_muon developers"
@@ -51,3 +52,22 @@ _NOTEBOOKS = pathlib.Path(__file__).parent / "notebooks"
 _NOTEBOOKS.mkdir(exist_ok=True)
 for _name in ("quickstart.ipynb", "gpt.py"):
   shutil.copyfile(ROOT / "examples" / _name, _NOTEBOOKS / _name)
+
+
+def _defining_comment(app, what, name, obj, options, lines):
+  """A constant that ``optax_muon`` re-exports gets the ``#:`` comment of the module that
+  defines it; autodoc, reading ``optax_muon/__init__.py``, would show its type's docstring
+  (tuple's, dict's)."""
+  del app, obj, options
+  if what != "data" or not name.startswith("optax_muon."):
+    return
+  attribute = name.rsplit(".", 1)[1]
+  for module in sorted(m for m in sys.modules if m.startswith("optax_muon.")):
+    comment = ModuleAnalyzer.for_module(module).find_attr_docs().get(("", attribute))
+    if comment:
+      lines[:] = list(comment)
+      return
+
+
+def setup(app):
+  app.connect("autodoc-process-docstring", _defining_comment)

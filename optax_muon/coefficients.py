@@ -78,6 +78,7 @@ _POLAR_EXPRESS_DEFAULT_STEPS = 5
 _POLAR_EXPRESS_SAFETY = 0.01
 _POLAR_EXPRESS_EPS = 1e-7
 
+#: The coefficient presets ``ns_coeffs`` may name (see ``resolve_coefficients``).
 PRESET_NAMES: tuple[str, ...] = ("jordan", "polar_express", "deepseek_v4", "dion",
                                  "modded_nanogpt")
 #: optax.contrib.muon's preset names that are spelled differently here.

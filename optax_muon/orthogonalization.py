@@ -12,6 +12,7 @@ from optax_muon.coefficients import CoefficientsLike, NSCoefficients, resolve_co
 from optax_muon.costs import GRAM_RESTART, uses_gram
 from optax_muon.layout import ns_orientation
 
+#: How ``newton_schulz`` may scale its input before the first step (``preconditioning``).
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
 
