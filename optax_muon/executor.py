@@ -156,30 +156,51 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: N
   return out
 
 
-def _buffer_index(ex: Exchange, plan: Plan, g: int) -> np.ndarray:
-  """Where each element of the (workers, chunk) buffer comes from.
+def _exchange_unit(ex: Exchange, plan: Plan, g: int) -> int:
+  """The elements that step 2 always moves together: the gcd of every piece's size and of
+  the row runs that make up a team member's blocks (a member holds ⌈e/k⌉ of a local extent
+  e, each of its rows ``tail`` contiguous elements)."""
+  sizes = [b.piece_size(g) for b in ex.buckets]
+  for runs in ex.teams:
+    for run in runs:
+      leaf = plan.leaves[run.leaf]
+      axis = leaf.matrix_dims.index(run.split_dim)
+      tail, extent = math.prod(leaf.piece_shape[axis + 1:]), leaf.piece_shape[axis]
+      sizes += [tail * -(-extent // ex.team_size), tail * extent]
+  return math.gcd(*sizes)
+
+
+def buffer_units(ex: Exchange, plan: Plan, g: int) -> tuple[np.ndarray, int]:
+  """Where each unit of the (workers, chunk) buffer comes from, and the unit.
 
   Row w holds this device's blocks (member w mod k's) of the matrices of worker w's team,
   run by run; then its pieces of worker w's whole matrices, in the order its program runs
-  them; then padding. The index is into the buckets' stacks of local pieces (bucket order,
-  each (K, L) flattened, concatenated); padding points one past the end, at a zero.
+  them; then padding. The buckets' stacks of local pieces (bucket order, each (K, L)
+  flattened, concatenated) are cut into units of ``_exchange_unit`` elements; the index
+  points at units, and padding one past the last, at a unit of zeros. (An index per element
+  would be a constant of the size of the device's Muon params in the compiled program.)
+
+  Returns:
+    ((workers, chunk // unit) unit indices, unit).
   """
-  starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
-  index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int64)
+  unit = _exchange_unit(ex, plan, g)
+  starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets]) // unit
+  zero = starts[-1]
+  index = np.full((len(ex.owned), ex.chunk(g) // unit), zero, np.int64)
   for w, owned in enumerate(ex.owned):
     parts = []
     for run in ex.teams[w // ex.team_size] if ex.teams else ():
-      size = ex.buckets[run.bucket].piece_size(g)
+      size = ex.buckets[run.bucket].piece_size(g) // unit
       block = _member_slice(plan.leaves[run.leaf], run.split_dim, ex.team_size,
-                            w % ex.team_size)
-      parts += [np.where(block < 0, starts[-1], starts[run.bucket] + j * size + block)
+                            w % ex.team_size)[::unit]
+      parts += [np.where(block < 0, zero, starts[run.bucket] + j * size + block // unit)
                 for j in run.matrices]
-    parts += [start + (np.asarray(mine, np.int64)[:, None] * b.piece_size(g)
-                       + np.arange(b.piece_size(g))).reshape(-1)
+    parts += [start + (np.asarray(mine, np.int64)[:, None] * (b.piece_size(g) // unit)
+                       + np.arange(b.piece_size(g) // unit)).reshape(-1)
               for mine, b, start in zip(owned, ex.buckets, starts)]
     row = np.concatenate(parts)
     index[w, :row.size] = row
-  return index.astype(np.int32)
+  return index.astype(np.int32), unit
 
 
 def _take_rows(x: jax.Array, order: np.ndarray) -> jax.Array:
@@ -250,12 +271,12 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
     wire = jnp.dtype(plan.wire_dtype or dtype)
     replicas = workers // g
     rep = _index(group.replica_axes) if group.split else 0
-    index = _buffer_index(ex, plan, g)  # (workers, chunk)
+    index, unit = buffer_units(ex, plan, g)  # (workers, chunk // unit)
     # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
     # busiest worker's; replicas hold the same data, so each sends its own workers' only.
-    flat = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
-                           + [jnp.zeros((1,), wire)])
-    send = flat[index.reshape(g, replicas, -1)]  # (g, replicas, chunk)
+    units = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
+                            + [jnp.zeros((unit,), wire)]).reshape(-1, unit)
+    send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)  # (g, r, chunk)
     buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
     # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
     if g > 1:
@@ -293,10 +314,10 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
     if group.split:
       buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
     # 7. Every piece back to its place in the stacks: the inverse of step 2's gather.
-    valid = index < flat.shape[0] - 1
-    inverse = np.empty(flat.shape[0] - 1, np.int32)
+    valid = index < units.shape[0] - 1
+    inverse = np.empty(units.shape[0] - 1, np.int32)
     inverse[index[valid]] = np.flatnonzero(valid)
-    pieces = buffer.reshape(-1)[inverse]
+    pieces = buffer.reshape(-1, unit)[inverse].reshape(-1)
     starts = np.cumsum([0] + [s.size for s in stacks])
     rows = [pieces[a:b].reshape(s.shape) for s, a, b in zip(stacks, starts[:-1], starts[1:])]
   # 8. The leaves' local blocks.

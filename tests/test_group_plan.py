@@ -9,6 +9,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -233,3 +234,52 @@ def test_moe_plan_bytes_near_the_bound():
   bound = sharding.bounds(params, dims, 32)
   assert plan.critical_ns_flops() == sharding.lpt_plan(plan).critical_ns_flops()
   assert plan.device_received_bytes().max() <= 1.45 * bound["bytes"]
+
+
+def _element_index(ex, plan, g):
+  """Step 2's buffer, element by element, written out: the reference for the executor's
+  unit index (a row: the member's blocks of its team's runs, its whole matrices' pieces,
+  padding one past the end)."""
+  from optax_muon.executor import _member_slice  # noqa: PLC0415
+  starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
+  index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int64)
+  for w, owned in enumerate(ex.owned):
+    parts = []
+    for run in ex.teams[w // ex.team_size] if ex.teams else ():
+      size = ex.buckets[run.bucket].piece_size(g)
+      block = _member_slice(plan.leaves[run.leaf], run.split_dim, ex.team_size,
+                            w % ex.team_size)
+      parts += [np.where(block < 0, starts[-1], starts[run.bucket] + j * size + block)
+                for j in run.matrices]
+    parts += [start + (np.asarray(mine)[:, None] * b.piece_size(g)
+                       + np.arange(b.piece_size(g))).reshape(-1)
+              for mine, b, start in zip(owned, ex.buckets, starts)]
+    row = np.concatenate(parts)
+    index[w, :row.size] = row
+  return index
+
+
+@pytest.mark.parametrize("model", [FREE, None], ids=["teams", "whole"])
+def test_the_exchange_index_is_per_unit_and_means_the_same_elements(model):
+  """The compiled program holds one index entry per run of elements that always move
+  together, not one per element (a constant the size of the params otherwise), and it
+  addresses exactly the elements the element-wise description does — padded team blocks
+  included."""
+  from optax_muon.executor import buffer_units  # noqa: PLC0415
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  shapes = {"a": (40, 8), "b": (40, 8), "c": (40, 8), "d": (8, 40), "w": (64, 256),
+            "v": (256, 64)}
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+            for k, s in shapes.items()}
+  tx = om.scale_by_muon(sharding=om.ShardingOptions(cost_model=model))
+  plan = om.summarize(params, tx).plan
+  exchanges = [(g, ex) for g in plan.groups for ex in g.exchanges]
+  assert any(ex.teams for _, ex in exchanges) == (model is FREE)
+  for group, ex in exchanges:
+    units, unit = buffer_units(ex, plan, group.exchange_size)
+    reference = _element_index(ex, plan, group.exchange_size)
+    padding = reference.max()  # one past the stacks
+    expanded = (units[..., None].astype(np.int64) * unit + np.arange(unit)).reshape(
+        reference.shape)
+    np.testing.assert_array_equal(np.minimum(expanded, padding), reference)
+    assert unit > 1 and units.size * unit == reference.size

@@ -77,7 +77,7 @@ def _tree(kind):
   stacked = kind is True
   layers = 8 if stacked else (LAYERS if kind is False else kind)
   params = gpt_tree(D, layers, stacked=stacked)
-  return params, (muon_dims(params) if stacked else None)
+  return params, (muon_dims(params, adam=("embed", "lm_head")) if stacked else None)
 
 
 STANDARD = om.NSOptions(method="standard")
