@@ -171,9 +171,10 @@ class Routing:
       ``params -> such a tree``; overrides every other rule.
     adam_pattern: a regular expression searched in each leaf's path: leaves that match go
       to AdamW (embeddings, output heads); ``None`` disables it.
-    biases: biases go to AdamW: leaves named ``bias``, ``b``, ``*_bias``, and leaves beside
-      a kernel (``kernel``, ``w``, ``weight``) whose shape ends with theirs (the
-      (heads, head_dim) biases of Flax's attention).
+    biases: biases go to AdamW: leaves named ``bias``, ``*_bias`` (and ``b`` beside a
+      ``w``, as Haiku names them), and leaves beside a kernel (``kernel``, ``w``,
+      ``weight``) whose shape ends with theirs (the (heads, head_dim) biases of Flax's
+      attention).
     layouts: the ``LayoutRule``s that say how ≥3-D (and Equinox's) kernels are read as
       matrices; the first rule that matches a leaf applies. ``KNOWN_LAYOUTS`` (Gemma, Flax
       attention, Equinox) by default; put your own first:

@@ -22,8 +22,9 @@ from optax_muon.user_warnings import warn_at_caller
 
 MUON, ADAM = "muon", "adam"
 
-# A leaf named like a bias: bias, b, *_bias, bias_*.
-_BIAS_NAME = re.compile(r"(?i)^(b|bias|\w+_bias|bias_\w+)$")
+# A leaf named like a bias: bias, *_bias, bias_*; and b beside a kernel (Haiku's w and b).
+_BIAS_NAME = re.compile(r"(?i)^(bias|\w+_bias|bias_\w+)$")
+_SHORT_BIAS_NAME = re.compile(r"(?i)^b$")
 # The kernel of a layer, beside its bias.
 _KERNEL_NAME = re.compile(r"(?i)^(kernel|w|weight|weights)$")
 
@@ -102,9 +103,9 @@ def _check_floating(path: str, leaf: Any) -> None:
 
 
 def _biases(paths: list[tuple], leaves: list[Any]) -> dict[int, str]:
-  """Positions of biases: named like one, or beside a kernel whose shape ends with theirs
-  (Flax's attention biases are (heads, head_dim) beside a (d, heads, head_dim) kernel).
-  Values: the detail ``summarize`` shows."""
+  """Positions of biases: named like one (``b`` only beside a kernel), or beside a kernel
+  whose shape ends with theirs (Flax's attention biases are (heads, head_dim) beside a
+  (d, heads, head_dim) kernel). Values: the detail ``summarize`` shows."""
   kernels: dict[tuple, list[Any]] = {}
   for path, leaf in zip(paths, leaves):
     if path and leaf is not None and _KERNEL_NAME.match(str(path[-1])):
@@ -113,7 +114,8 @@ def _biases(paths: list[tuple], leaves: list[Any]) -> dict[int, str]:
   for i, (path, leaf) in enumerate(zip(paths, leaves)):
     if not path or leaf is None or _KERNEL_NAME.match(str(path[-1])):
       continue
-    if _BIAS_NAME.match(str(path[-1])):
+    name = str(path[-1])
+    if _BIAS_NAME.match(name) or (_SHORT_BIAS_NAME.match(name) and path[:-1] in kernels):
       found[i] = ""
       continue
     for name, kernel in kernels.get(path[:-1], ()):

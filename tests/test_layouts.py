@@ -421,3 +421,11 @@ def test_stacked_norm_scales_stay_on_adamw():
   vectors = {"blocks": {k: v for k, v in params["blocks"].items() if k != "w"}}
   defaults = {r.path: r.optimizer for r in om.route(vectors)}
   assert defaults["blocks/attn_norm"] == defaults["blocks/ln/scale"] == "adam"
+
+
+def test_a_leaf_named_b_is_a_bias_only_beside_a_kernel():
+  """Haiku's linear is {w, b}; optax's own tests name plain matrices b."""
+  params = {"linear": {"w": jnp.zeros((8, 16)), "b": jnp.zeros((2, 16))},
+            "pair": {"a": jnp.zeros((8, 16)), "b": jnp.zeros((8, 16))}}
+  routes = {r.path: r.optimizer for r in om.route(params)}
+  assert routes == {"linear/b": "adam", "linear/w": "muon", "pair/a": "muon", "pair/b": "muon"}
