@@ -199,12 +199,22 @@ def measure(target_name: str, tree: str, repeats: int, contrib: bool = True) -> 
   mesh = make_mesh(target)
   params, dims, contrib_dims, shardings = llama_tree(mesh, **TREES[tree])
   txs = optimizers(target, dims, contrib_dims if contrib else None, shardings)
-  compiled, seconds = {}, {name: [] for name in txs}
+  compiled, seconds, failed = {}, {name: [] for name in txs}, {}
   for _ in range(repeats):
     for name, (tx, _) in txs.items():
-      compiled[name], s = compile_update(tx, params, mesh)
+      if name in failed:
+        continue
+      try:
+        compiled[name], s = compile_update(tx, params, mesh)
+      except Exception as e:  # noqa: BLE001  (the compiler's verdict is a result here)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        failed[name] = str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0]
+        continue
       seconds[name].append(s)
-  return [dict(row(name, tx, model, compiled[name], min(seconds[name]), params, mesh, target),
+  return [dict(row(name, tx, model, compiled[name], min(seconds[name]), params, mesh, target)
+               if name not in failed else
+               {"optimizer": name, "does not fit": failed[name], "devices": mesh.devices.size},
                tree=tree, target_name=target_name)
           for name, (tx, model) in txs.items()]
 
@@ -216,6 +226,10 @@ def table(rows: list[dict]) -> str:
           "modelled ms")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
+    if "does not fit" in r:
+      lines.append(f"| {r['optimizer']} | does not fit: {r['does not fit']} |"
+                   + " |" * (len(head) - 2))
+      continue
     collectives = "; ".join(f"{k} {v['count']}, {v['received MB']:.0f}"
                             for k, v in r["collectives"].items())
     share = r["all-to-all bytes overlapped"]

@@ -189,9 +189,22 @@ class TreeSpec:
     muon = [self.leaves[self.muon_positions[k]] for k in self.planned]
     cost = functools.partial(costs.matrix_flops, self.options.ns, steps=self.options.ns_steps)
     team_cost = functools.partial(costs.team_cost, self.options.ns, steps=self.options.ns_steps)
-    return build_plan([l.layout for l in muon], [l.sharding for l in muon], cost,
-                      self.options.sharding, stack=self.options.ns.stack_same_shape,
-                      team_cost=team_cost)
+    sharding = dataclasses.replace(self.options.sharding, cost_model=self.cost_model)
+    return build_plan([l.layout for l in muon], [l.sharding for l in muon], cost, sharding,
+                      stack=self.options.ns.stack_same_shape, team_cost=team_cost)
+
+  @functools.cached_property
+  def cost_model(self) -> costs.CostModel:
+    """The plan's cost model: ``ShardingOptions.cost_model``, else the profile of the
+    devices of the Muon leaves' mesh (``costs.profile_of``; of ``jax.devices()`` for an
+    abstract mesh, which has none), at the NS compute dtype's throughput."""
+    mesh = next((l.sharding.mesh for l in self.muon_leaves if l.sharding is not None), None)
+    model = self.options.sharding.cost_model or costs.default_cost_model(
+        costs.mesh_devices(mesh))
+    dtypes = [l.dtype for l in self.muon_leaves]
+    compute = self.options.ns.compute_dtype or (max(dtypes, key=lambda d: d.itemsize)
+                                               if dtypes else np.float32)
+    return model.for_dtype(compute)
 
   @property
   def muon_leaves(self) -> list[LeafSpec]:

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from optax_muon import costs, tree_utils
+from optax_muon.momentum import moment_dtype
 from optax_muon.plan.model import Plan
 from optax_muon.qk_clipping import ROLES, resolve_projections
 from optax_muon.routing import ADAM, MUON
@@ -83,10 +84,9 @@ def _team_run_of(plan: Plan, index: int):
                and plan.leaves[r.leaf].signature == signature), None)
 
 
-def _matrix_seconds(plan: Plan, index: int, team_run) -> float:
+def _matrix_seconds(plan: Plan, index: int, team_run, model: costs.CostModel) -> float:
   """Modelled NS time of one of the leaf's matrices on the device(s) orthogonalizing it;
   ``team_run`` is ``_team_run_of(plan, index)``."""
-  model = plan.cost_model or costs.default_cost_model()
   if team_run is None:
     return model.compute_seconds(plan.leaves[index].flops)
   return team_run[1].cost.seconds(model)
@@ -133,14 +133,17 @@ class RoutingSummary:
   Attributes:
     rows: one per leaf.
     plan: the orthogonalization plan of the Muon leaves, if any.
-    notes: footer lines naming the options that change the update (NorMuon, cautious
-      weight decay, QK-clip) and the leaves they apply to, and the warnings ``init``
-      gives for this tree (routing surprises, degenerate matrices).
+    notes: footer lines naming the precision Newton–Schulz's products run at, the options
+      that change the update (NorMuon, cautious weight decay, QK-clip) and the leaves they
+      apply to, and the warnings ``init`` gives for this tree (routing surprises,
+      degenerate matrices).
+    cost_model: the model the plan's figures come from (its ``name`` says which profile).
   """
 
   rows: tuple[LeafSummary, ...]
   plan: Plan | None = None
   notes: tuple[str, ...] = ()
+  cost_model: costs.CostModel | None = None
 
   def by_optimizer(self, optimizer: str) -> list[LeafSummary]:
     return [r for r in self.rows if r.optimizer == optimizer]
@@ -166,8 +169,9 @@ class RoutingSummary:
       footer += (f" Sharded leaves on {self.plan.device_count} devices: NS "
                  f"{costs.critical_ns_flops(self.plan) / 1e9:.3f} GFLOP on the busiest "
                  f"device (whole-matrix lower bound {costs.ns_flops_bound(self.plan) / 1e9:.3f}); "
-                 f"modelled NS and exchange time {costs.critical_seconds(self.plan) * 1e3:.3g} ms "
-                 f"on the busiest device.")
+                 f"modelled NS and exchange time "
+                 f"{costs.critical_seconds(self.plan, self.cost_model) * 1e3:.3g} ms on the "
+                 f"busiest device (cost profile: {self.cost_model.name or 'given'}).")
       footer += ("\nk: devices that orthogonalize each matrix together (1: the whole matrix on "
                  "one device); NS ms (model): the cost model's time for one matrix there.")
     else:  # no sharded leaves: no placement columns
@@ -178,6 +182,17 @@ class RoutingSummary:
     fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer, *self.notes])
+
+
+def _precision(spec: TreeSpec) -> str:
+  """What Newton–Schulz's products run at, in words: ``NSOptions.compute_dtype``, else the
+  momentum's dtype (float32 for 16-bit params, unless ``mu_dtype`` says otherwise)."""
+  kinds = []
+  for dtype in dict.fromkeys(np.dtype(spec.options.ns.compute_dtype or moment_dtype(l.dtype))
+                             for l in spec.muon_leaves):
+    kinds.append(f"{dtype} at full precision (Precision.HIGHEST)" if dtype.itemsize > 2
+                 else f"{dtype} operands accumulated in float32")
+  return "Newton–Schulz products: " + "; ".join(kinds) + "."
 
 
 def _notes(options: MuonOptions, rows: list[LeafSummary], roles: list[str]) -> tuple[str, ...]:
@@ -223,8 +238,10 @@ def summarize(params: Any, tx: Any, *, print_table: bool = False) -> RoutingSumm
     >>> summary = optax_muon.summarize(params, tx)
     >>> print(summary.rows[1].path, summary.rows[1].reason, summary.rows[1].scale)
     w 2-D 2.0
-    >>> print(str(summary).splitlines()[-1])
+    >>> for line in str(summary).splitlines()[-2:]:
+    ...   print(line)
     1 leaf on Muon, 1 on AdamW; NS 0.016 GFLOP per step.
+    Newton–Schulz products: float32 at full precision (Precision.HIGHEST).
   """
   options = find_muon_options(tx, params)
   spec = tree_spec(params, options)
@@ -260,10 +277,12 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
                                                      options.ns_steps),
           placement=_placement(plan, plan_index[i], team_run) if sharded else "",
           team=(1 if team_run is None else team_run[0].team_size) if sharded else None,
-          ns_seconds=_matrix_seconds(plan, plan_index[i], team_run) if sharded else None)
+          ns_seconds=(_matrix_seconds(plan, plan_index[i], team_run, spec.cost_model)
+                      if sharded else None))
     rows.append(row)
-  summary = RoutingSummary(tuple(rows), plan, _notes(
-      options, rows, [p.role for p in projections if p is not None]) + spec.notices)
+  notes = (_notes(options, rows, [p.role for p in projections if p is not None])
+           + (_precision(spec),) * bool(spec.muon_leaves) + spec.notices)
+  summary = RoutingSummary(tuple(rows), plan, notes, spec.cost_model)
   if print_table:
     print(summary)
   return summary

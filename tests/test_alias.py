@@ -357,17 +357,21 @@ def test_cautious_weight_decay_keeps_the_state_structure():
     om.muon(0.02, weight_decay=optax.constant_schedule(0.1), cautious_weight_decay=True)
 
 
-def test_summary_names_normuon_and_cautious_decay():
+def test_summary_names_normuon_cautious_decay_and_the_ns_precision():
   params = _params()
   text = str(om.summarize(params, om.muon(0.02, normalization=om.NorMuon(),
                                           cautious_weight_decay=True)))
-  assert text.splitlines()[-2] == ("NorMuon (β₂ = 0.95) on 1 Muon leaf: updates normalized "
+  assert text.splitlines()[-3] == ("NorMuon (β₂ = 0.95) on 1 Muon leaf: updates normalized "
                                    "per output neuron after NS.")
-  assert text.splitlines()[-1].startswith("Cautious weight decay: Muon and AdamW leaves")
+  assert text.splitlines()[-2].startswith("Cautious weight decay: Muon and AdamW leaves")
+  assert text.splitlines()[-1] == ("Newton–Schulz products: float32 at full precision "
+                                   "(Precision.HIGHEST).")
   assert "1 leaf on Muon, 4 on AdamW" in text
   plain = om.summarize(params, om.muon(0.02))
-  assert plain.notes == () and "NorMuon" not in str(plain)
+  assert len(plain.notes) == 1 and "NorMuon" not in str(plain)
   stack = om.summarize({"w": jnp.zeros((2, 8, 8)), "v": jnp.zeros((8, 8))}, om.scale_by_muon(
-      normalization=om.NorMuon(0.9), weight_dimension_numbers={"w": DN(1, 2), "v": DN()}))
+      normalization=om.NorMuon(0.9), weight_dimension_numbers={"w": DN(1, 2), "v": DN()},
+      ns_options=om.NSOptions(compute_dtype=jnp.bfloat16)))
   assert stack.notes == ("NorMuon (β₂ = 0.9) on 2 Muon leaves: updates normalized per "
-                         "output neuron after NS.",)
+                         "output neuron after NS.",
+                         "Newton–Schulz products: bfloat16 operands accumulated in float32.")

@@ -283,3 +283,22 @@ def test_the_exchange_index_is_per_unit_and_means_the_same_elements(model):
         reference.shape)
     np.testing.assert_array_equal(np.minimum(expanded, padding), reference)
     assert unit > 1 and units.size * unit == reference.size
+
+
+def test_device_profiles_by_generation_and_dtype():
+  """Generation profiles carry the vendors' bf16 and full-float32 rates; the plan takes
+  the rate of the NS compute dtype, and summarize names the profile."""
+  h100 = om.PROFILES["h100"]
+  assert h100.for_dtype(jnp.float32).flops_per_second == 67e12
+  assert h100.for_dtype(jnp.bfloat16).flops_per_second == 989e12
+  assert om.PROFILES["tpu_v5p"].for_dtype(jnp.float32).flops_per_second == 459e12 / 6
+  assert om.PROFILES["gpu"].for_dtype(jnp.float32) is om.PROFILES["gpu"]  # one rate
+  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  params = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32,
+                                      sharding=NamedSharding(mesh, P("fsdp")))}
+  for model, name in ((None, "cpu"), (h100, "H100 SXM")):
+    summary = om.summarize(params, om.scale_by_muon(
+        sharding=om.ShardingOptions(cost_model=model)))
+    assert summary.cost_model.name == name and f"(cost profile: {name})" in str(summary)
+  assert om.summarize(params, om.scale_by_muon(sharding=om.ShardingOptions(
+      cost_model=h100))).cost_model.flops_per_second == 67e12  # float32 NS
