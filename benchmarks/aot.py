@@ -14,7 +14,8 @@ environment (they cannot share a process)::
   /tmp/aot-tpu/bin/python benchmarks/aot.py --targets tpu-v5e-16,tpu-v5p-256
   /tmp/aot-gpu/bin/python benchmarks/aot.py --targets gpu-h100-8,gpu-h200-4x8
 
-Per target and tree, one row per optimizer: optax_muon with the target's cost profile,
+Per target and tree, one row per optimizer: optax_muon as it plans by default (the cost
+profile of the target's devices, found from their ``device_kind``),
 with teams forced off (prohibitive communication) and forced on (free communication), and
 optax.contrib.muon. Columns: temp and argument memory per device
 (``memory_analysis``); the busiest device's NS FLOPs counted from that compiler's HLO
@@ -46,21 +47,19 @@ class Target:
     platform: ``"tpu"`` or ``"cuda"``.
     topology: libtpu's topology name, or the GPU's ``partitions x hosts x devices``.
     gpu_config: the GPU target config file (``*.txtpb``), GPU only.
-    profile: the ``optax_muon.PROFILES`` entry of the target's devices.
   """
 
   platform: str
   topology: str
   gpu_config: str = ""
-  profile: str = ""
 
 
 TARGETS = {
-    "tpu-v5e-4": Target("tpu", "v5e:2x2", profile="tpu"),
-    "tpu-v5e-16": Target("tpu", "v5e:4x4", profile="tpu"),
-    "tpu-v5p-256": Target("tpu", "v5p:8x8x4", profile="tpu"),
-    "gpu-h100-8": Target("cuda", "1x1x8", "h100_sxm.txtpb", "gpu"),
-    "gpu-h200-4x8": Target("cuda", "1x4x8", "h200.txtpb", "gpu"),
+    "tpu-v5e-4": Target("tpu", "v5e:2x2"),
+    "tpu-v5e-16": Target("tpu", "v5e:4x4"),
+    "tpu-v5p-256": Target("tpu", "v5p:8x8x4"),
+    "gpu-h100-8": Target("cuda", "1x1x8", "h100_sxm.txtpb"),
+    "gpu-h200-4x8": Target("cuda", "1x4x8", "h200.txtpb"),
 }
 
 # Trees: name → Llama-like shapes (d, layers, heads, kv heads, ffn, vocab).
@@ -122,15 +121,23 @@ def llama_tree(mesh, d: int, layers: int, heads: int, kv_heads: int, ffn: int, v
       dims(contrib_cls) if contrib_cls else None), shardings
 
 
-def optimizers(target: Target, dims, contrib_dims, shardings) -> dict:
-  """The compared optimizers: name → (transformation, its cost model or None)."""
+def target_profile(mesh):
+  """The cost profile of the mesh's devices at float32 NS, as the plan finds it."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from optax_muon import costs  # noqa: PLC0415
+  return costs.profile_of(costs.mesh_devices(mesh)).for_dtype(jnp.float32)
+
+
+def optimizers(mesh, dims, contrib_dims, shardings) -> dict:
+  """The compared optimizers: name → (transformation, the cost model it is given or None)."""
   import math  # noqa: PLC0415
 
   import optax  # noqa: PLC0415
 
   import optax_muon  # noqa: PLC0415
-  profile = optax_muon.PROFILES[target.profile]
-  models = {"optax_muon": profile,
+  profile = target_profile(mesh)
+  models = {"optax_muon": None,  # the profile of the mesh's devices, found by the plan
             "optax_muon, whole matrices": optax_muon.CostModel(profile.flops_per_second, 1.0,
                                                                1.0),
             "optax_muon, teams": optax_muon.CostModel(profile.flops_per_second, math.inf, 0.0)}
@@ -164,7 +171,7 @@ def row(name: str, tx, model, compiled, seconds: float, params, mesh, target: Ta
   import hlo_cost  # noqa: PLC0415
   import optax_muon  # noqa: PLC0415
   n = mesh.devices.size
-  profile = optax_muon.PROFILES[target.profile]
+  profile = target_profile(mesh)
   cost = hlo_cost.analyze(compiled, n)
   memory = compiled.memory_analysis()
   by_kind: dict[str, list[float]] = {}
@@ -182,9 +189,11 @@ def row(name: str, tx, model, compiled, seconds: float, params, mesh, target: Ta
                          for k, v in sorted(by_kind.items())},
          "all-to-all bytes overlapped": overlapped / exchanged if exchanged else None,
          "compile CPU s": seconds}
-  if model is not None:
+  if name.startswith("optax_muon"):
     with jax.set_mesh(mesh):
-      plan = optax_muon.summarize(params, tx).plan
+      summary = optax_muon.summarize(params, tx)
+    plan = summary.plan
+    out["profile"] = summary.cost_model.name or "given"
     out["NS GFLOP (HLO)"] = hlo_cost.compiled_device_flops(cost, plan).max() / 1e9
     out["NS GFLOP (plan)"] = plan.critical_ns_flops() / 1e9
     out["modelled ms"] = plan.critical_seconds(profile) * 1e3
@@ -198,7 +207,7 @@ def measure(target_name: str, tree: str, repeats: int, contrib: bool = True) -> 
   target = TARGETS[target_name]
   mesh = make_mesh(target)
   params, dims, contrib_dims, shardings = llama_tree(mesh, **TREES[tree])
-  txs = optimizers(target, dims, contrib_dims if contrib else None, shardings)
+  txs = optimizers(mesh, dims, contrib_dims if contrib else None, shardings)
   compiled, seconds, failed = {}, {name: [] for name in txs}, {}
   for _ in range(repeats):
     for name, (tx, _) in txs.items():
@@ -221,7 +230,7 @@ def measure(target_name: str, tree: str, repeats: int, contrib: bool = True) -> 
 
 def table(rows: list[dict]) -> str:
   """A markdown table of ``rows`` (one target and tree)."""
-  head = ("optimizer", "temp GB", "arg GB", "NS GFLOP busiest (HLO)", "(plan)", "teams k",
+  head = ("optimizer", "profile", "temp GB", "arg GB", "NS GFLOP busiest (HLO)", "(plan)", "teams k",
           "collectives: count, received MB", "a2a overlapped", "compile CPU s",
           "modelled ms")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -234,7 +243,7 @@ def table(rows: list[dict]) -> str:
                             for k, v in r["collectives"].items())
     share = r["all-to-all bytes overlapped"]
     lines.append("| " + " | ".join([
-        r["optimizer"], f"{r['temp GB']:.3f}", f"{r['argument GB']:.3f}",
+        r["optimizer"], r.get("profile", "—"), f"{r['temp GB']:.3f}", f"{r['argument GB']:.3f}",
         f"{r['NS GFLOP (HLO)']:.1f}",
         f"{r['NS GFLOP (plan)']:.1f}" if "NS GFLOP (plan)" in r else "—",
         ",".join(map(str, r.get("teams", []))) or "—", collectives or "—",
