@@ -36,7 +36,9 @@ import pathlib
 import sys
 import time
 
-WORKSPACE_AOT = pathlib.Path(__file__).resolve().parents[2] / "shared" / "aot"
+# GPU target configs (GpuTargetConfigProto as text): the published characteristics of each
+# part, for the CUDA plugin's deviceless compilation.
+GPU_TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +79,7 @@ def _set_platform_env(platform: str) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"  # else the plugin calls cuInit, fails, unregisters
 
 
-def make_mesh(target: Target, config_dir: pathlib.Path = WORKSPACE_AOT):
+def make_mesh(target: Target, config_dir: pathlib.Path = GPU_TARGETS):
   """A one-axis ("fsdp") mesh over every device of ``target``'s topology (Auto axes)."""
   import jax  # noqa: PLC0415  (after _set_platform_env)
   from jax.experimental import topologies  # noqa: PLC0415

@@ -1,0 +1,52 @@
+"""The update compiled by the real TPU and GPU compilers (ahead of time, on this CPU host):
+each device's NS FLOPs are the plan's, every float32 NS product is at full precision, the
+plan uses the target's own cost profile, and teams compile with their collectives inside
+the NS loop. Each platform compiles in a process of its own (``aot_worker.py``); a platform
+whose compile-only package is not installed is skipped with the command that installs it
+(``.ci/run`` makes such an environment).
+"""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = {"tpu": ("libtpu", 'pip install "jax[tpu]"'),
+            "cuda": ("jax_cuda12_plugin", "pip install jax-cuda12-plugin nvidia-cuda-nvcc-cu12")}
+EXPECTED = {"tpu": ("TPU v5 lite", "TPU v5e"), "cuda": ("NVIDIA H100 80GB HBM3", "H100 SXM")}
+
+
+def _compile(platform: str) -> dict:
+  module, install = PACKAGES[platform]
+  if importlib.util.find_spec(module) is None:
+    pytest.skip(f"no {platform} compiler here ({install}, of the installed JAX's version)")
+  run = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_worker.py"), platform],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+  lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+  assert run.returncode == 0 and lines, run.stderr[-3000:]
+  return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
+  out = _compile(platform)
+  kind, profile = EXPECTED[platform]
+  assert out["device_kind"] == kind
+  for name in ("default", "teams"):
+    got = out[name]
+    assert got["device_flops"] == got["plan_flops"], name  # per device, from the HLO
+    assert got["products"] > 0 and got["highest"] == got["products"], name
+    assert got["bf16_products"] == 0, name  # no product quietly in bfloat16
+    assert any("float32 at full precision" in n for n in got["notes"])
+  assert out["default"]["profile"] == profile  # planned from this CPU host for the target
+  assert max(out["teams"]["teams"]) > 1
+  # Each distinct team run loops over its NS steps with a reduce-scatter and two all-gathers
+  # (the Gram matrix's all-reduce, the polynomial's rows).
+  loop = out["teams"]["loop_collectives"]
+  assert loop and loop.count("all-gather") == 2 * loop.count("reduce-scatter"), loop
