@@ -122,7 +122,8 @@ def matrix_flops(ns: Any, m: int, n: int, dtype: Any, steps: int, team: int = 1)
   ``team`` devices.
 
   Args:
-    ns: the ``NSOptions`` (method, Gram restarts, compute dtype).
+    ns: the ``NSOptions`` (method, Gram restarts, compute dtype; ``"auto"`` is settled
+      for the default backend).
     m, n: the matrix's shape (either orientation).
     dtype: its dtype (NS computes in it unless ``ns.compute_dtype`` says otherwise).
     steps: NS steps.
@@ -131,6 +132,7 @@ def matrix_flops(ns: Any, m: int, n: int, dtype: Any, steps: int, team: int = 1)
   Returns:
     The FLOPs.
   """
+  ns = ns.resolved(jax.default_backend())
   (m, n), _ = ns_orientation(m, n)
   gram = uses_gram(ns.method, m, n, steps, ns.gram_restart, ns.compute_dtype or jnp.dtype(dtype),
                    team)
@@ -150,6 +152,7 @@ def team_cost(ns: Any, m: int, n: int, dtype: Any, team: int, steps: int) -> Tea
   Returns:
     The member's ``TeamCost``.
   """
+  ns = ns.resolved(jax.default_backend())
   (m, n), _ = ns_orientation(m, n)
   compute = jnp.dtype(ns.compute_dtype or dtype)
   gram = uses_gram(ns.method, m, n, steps, ns.gram_restart, compute, team)

@@ -20,6 +20,8 @@ from optax_muon.costs import GRAM_RESTART, METHODS, CostModel, matrix_flops
 from optax_muon.layouts import HEADS, KNOWN_LAYOUTS, LayoutRule
 
 REPLICA_POLICIES = ("split", "redundant")
+#: Platforms where ``NSOptions(compute_dtype="auto")`` runs Newton–Schulz in bfloat16.
+ACCELERATORS = ("tpu", "gpu")
 EXCHANGES = ("combined", "per_shape")
 MOMENTUM_KINDS = ("ema", "ema_uncorrected", "sum")
 
@@ -62,8 +64,10 @@ class NSOptions:
   """How Newton–Schulz runs (the coefficients are ``ns_coeffs``/``ns_steps``).
 
   Attributes:
-    compute_dtype: dtype of the NS matrix products (e.g. ``jnp.bfloat16``); ``None`` keeps
-      the input's.
+    compute_dtype: dtype of the NS matrix products: ``"auto"`` (bfloat16 operands with
+      float32 accumulation on TPUs and GPUs, the input's dtype — the momentum's, float32
+      for 16-bit params — elsewhere), a dtype (``jnp.float32``: full-precision products on
+      every backend), or ``None`` (the input's dtype everywhere).
     method: ``"standard"``, ``"gram"`` (the iteration carried out on the short side's Gram
       matrix, restarted every ``gram_restart`` steps) or ``"auto"`` (Gram where it needs
       fewer FLOPs and the products run in float32 or wider; see ``newton_schulz``).
@@ -81,22 +85,32 @@ class NSOptions:
     ValueError: NSOptions.method must be one of ('standard', 'gram', 'auto'), got 'fast'.
   """
 
-  compute_dtype: Any = None
+  compute_dtype: Any = "auto"
   method: str = "auto"
   gram_restart: int = GRAM_RESTART
   stack_same_shape: bool = True
 
   def __post_init__(self):
-    object.__setattr__(self, "compute_dtype", _dtype_or_none(self.compute_dtype))
+    if not (isinstance(self.compute_dtype, str) and self.compute_dtype == "auto"):
+      object.__setattr__(self, "compute_dtype", _dtype_or_none(self.compute_dtype))
     _choice("NSOptions", "method", self.method, METHODS)
     if (isinstance(self.gram_restart, bool) or not isinstance(self.gram_restart, int)
         or self.gram_restart < 1):
       raise ValueError(f"NSOptions.gram_restart must be a positive integer, got "
                        f"{self.gram_restart!r}.")
 
+  def resolved(self, platform: str) -> NSOptions:
+    """These options with ``compute_dtype`` settled for devices of ``platform``
+    (``"auto"``: bfloat16 on ``"tpu"`` and ``"gpu"``, else None)."""
+    if not isinstance(self.compute_dtype, str):
+      return self
+    return dataclasses.replace(
+        self, compute_dtype=jnp.bfloat16 if platform in ACCELERATORS else None)
+
   def flops(self, m: int, n: int, dtype: Any, steps: int, team: int = 1) -> int:
     """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these options, on
-    each member of a team of ``team`` devices (``costs.matrix_flops``)."""
+    each member of a team of ``team`` devices, on the default backend's devices
+    (``costs.matrix_flops``)."""
     return matrix_flops(self, m, n, dtype, steps, team)
 
 
@@ -115,7 +129,9 @@ class ShardingOptions:
       spread evenly, so that only one set's buffers are alive at a time (less balance).
     cost_model: how fast the devices compute and communicate (``CostModel``); the plan
       splits a matrix over a team of devices where that shortens the modelled critical
-      path of the whole tree. ``None``: the profile of ``jax.devices()`` (see
+      path of the whole tree. ``None``: the profile of the planned mesh's devices, by
+      their ``device_kind`` (a topology's too, for ahead-of-time compilation; an abstract
+      mesh has none, then ``jax.devices()``'s), at the NS compute dtype's rate (see
       ``optax_muon.PROFILES``).
 
   Examples:

@@ -187,23 +187,35 @@ class TreeSpec:
     if not self.planned:
       return None
     muon = [self.leaves[self.muon_positions[k]] for k in self.planned]
-    cost = functools.partial(costs.matrix_flops, self.options.ns, steps=self.options.ns_steps)
-    team_cost = functools.partial(costs.team_cost, self.options.ns, steps=self.options.ns_steps)
+    cost = functools.partial(costs.matrix_flops, self.ns, steps=self.options.ns_steps)
+    team_cost = functools.partial(costs.team_cost, self.ns, steps=self.options.ns_steps)
     sharding = dataclasses.replace(self.options.sharding, cost_model=self.cost_model)
     return build_plan([l.layout for l in muon], [l.sharding for l in muon], cost, sharding,
                       stack=self.options.ns.stack_same_shape, team_cost=team_cost)
+
+  @functools.cached_property
+  def mesh(self) -> Any:
+    """The Muon leaves' mesh, or None when none is sharded."""
+    return next((l.sharding.mesh for l in self.muon_leaves if l.sharding is not None), None)
+
+  @functools.cached_property
+  def ns(self) -> NSOptions:
+    """``options.ns`` settled for the devices the NS runs on: those of the mesh (concrete
+    or a topology's), else the default backend's."""
+    devices = costs.mesh_devices(self.mesh)
+    return self.options.ns.resolved(devices[0].platform if devices else
+                                    jax.default_backend())
 
   @functools.cached_property
   def cost_model(self) -> costs.CostModel:
     """The plan's cost model: ``ShardingOptions.cost_model``, else the profile of the
     devices of the Muon leaves' mesh (``costs.profile_of``; of ``jax.devices()`` for an
     abstract mesh, which has none), at the NS compute dtype's throughput."""
-    mesh = next((l.sharding.mesh for l in self.muon_leaves if l.sharding is not None), None)
     model = self.options.sharding.cost_model or costs.default_cost_model(
-        costs.mesh_devices(mesh))
+        costs.mesh_devices(self.mesh))
     dtypes = [l.dtype for l in self.muon_leaves]
-    compute = self.options.ns.compute_dtype or (max(dtypes, key=lambda d: d.itemsize)
-                                               if dtypes else np.float32)
+    compute = self.ns.compute_dtype or (max(dtypes, key=lambda d: d.itemsize)
+                                        if dtypes else np.float32)
     return model.for_dtype(compute)
 
   @property

@@ -185,10 +185,11 @@ class RoutingSummary:
 
 
 def _precision(spec: TreeSpec) -> str:
-  """What Newton–Schulz's products run at, in words: ``NSOptions.compute_dtype``, else the
-  momentum's dtype (float32 for 16-bit params, unless ``mu_dtype`` says otherwise)."""
+  """What Newton–Schulz's products run at, in words: the compute dtype settled for the
+  devices (``TreeSpec.ns``), else the momentum's dtype (float32 for 16-bit params, unless
+  ``mu_dtype`` says otherwise)."""
   kinds = []
-  for dtype in dict.fromkeys(np.dtype(spec.options.ns.compute_dtype or moment_dtype(l.dtype))
+  for dtype in dict.fromkeys(np.dtype(spec.ns.compute_dtype or moment_dtype(l.dtype))
                              for l in spec.muon_leaves):
     kinds.append(f"{dtype} at full precision (Precision.HIGHEST)" if dtype.itemsize > 2
                  else f"{dtype} operands accumulated in float32")
@@ -273,7 +274,7 @@ def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:
           row, ns_matrix=(m, n), batch=layout.batch,
           scale=(None if options.consistent_rms == "injected" else float(scale_factor(
               layout.n_in, layout.n_out, options.scale, consistent_rms=consistent_rms))),
-          ns_flops=layout.batch * costs.matrix_flops(options.ns, m, n, layout.dtype,
+          ns_flops=layout.batch * costs.matrix_flops(spec.ns, m, n, layout.dtype,
                                                      options.ns_steps),
           placement=_placement(plan, plan_index[i], team_run) if sharded else "",
           team=(1 if team_run is None else team_run[0].team_size) if sharded else None,

@@ -83,7 +83,6 @@ def muon_direction(options: MuonOptions, hyper: MuonHyperparams,
   """
   received = branch_options(options)
   ns = functools.partial(orthogonalize_block, table=hyper.coefficients,
-                         compute_dtype=options.ns.compute_dtype,
                          preconditioning=hyper.preconditioning, method=options.ns.method,
                          gram_restart=options.ns.gram_restart)
 
@@ -114,7 +113,7 @@ def muon_direction(options: MuonOptions, hyper: MuonHyperparams,
     mu, n, n_scale = momentum_step(grads, spec.take(state.mu), count, hyper.beta,
                                    hyper.momentum, hyper.nesterov)
     # 2. Orthogonalize: O = NS(n'), each whole matrix on one device.
-    o = orthogonalize(n, spec, ns)
+    o = orthogonalize(n, spec, functools.partial(ns, compute_dtype=spec.ns.compute_dtype))
     # 3. Normalize (NorMuon): per output neuron.
     nu = state.nu
     if options.normalization is not None:

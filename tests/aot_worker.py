@@ -33,9 +33,19 @@ TARGET = aot.TARGETS["tpu-v5e-4" if PLATFORM == "tpu" else "gpu-h100-8"]
 FREE = om.CostModel(1e12, math.inf, 0.0)  # teams wherever they shorten NS
 
 
-def _products(text: str) -> list[str]:
-  return [l for l in text.splitlines()
-          if re.search(r"\s(dot|convolution)\(", l) and "=" in l]
+def _products(text: str) -> list[tuple[str, tuple[str, ...]]]:
+  """Every dot and convolution: (its line, its operands' element types)."""
+  types, out = {}, []
+  for line in text.splitlines():
+    inst = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[", line)
+    if not inst:
+      continue
+    types[inst.group(1)] = inst.group(2)
+    call = re.search(r"\s(?:dot|convolution)\(([^)]*)\)", line)
+    if call:
+      names = [a.split()[-1].lstrip("%") for a in call.group(1).split(",")]
+      out.append((line, tuple(types.get(n, "?") for n in names)))
+  return out
 
 
 def main() -> None:
@@ -48,8 +58,9 @@ def main() -> None:
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=shardings[k])
             for k, s in shapes.items()}
   out = {"device_kind": mesh.devices.flat[0].device_kind, "devices": n}
-  for name, model in (("default", None), ("teams", FREE)):
-    tx = om.muon(0.02, param_shardings=shardings,
+  for name, model, compute in (("default", None, "auto"), ("float32", None, jnp.float32),
+                               ("teams", FREE, jnp.float32)):
+    tx = om.muon(0.02, param_shardings=shardings, ns_options=om.NSOptions(compute_dtype=compute),
                  sharding=om.ShardingOptions(cost_model=model))
     with jax.set_mesh(mesh):
       state = jax.eval_shape(tx.init, params)
@@ -64,8 +75,9 @@ def main() -> None:
         "device_flops": hlo_cost.compiled_device_flops(cost, plan).reshape(-1).tolist(),
         "plan_flops": plan.device_ns_flops().reshape(-1).tolist(),
         "products": len(products),
-        "highest": sum("operand_precision={highest,highest}" in l for l in products),
-        "bf16_products": sum("bf16[" in l for l in products),
+        "f32_highest": sum(t == ("f32", "f32") and "operand_precision={highest,highest}" in l
+                           for l, t in products),
+        "bf16_operands": sum(t == ("bf16", "bf16") for _, t in products),
         "loop_collectives": sorted(c.kind for c in cost.collectives if c.in_loop),
         "notes": list(summary.notes),
     }

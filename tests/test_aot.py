@@ -38,12 +38,17 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
   out = _compile(platform)
   kind, profile = EXPECTED[platform]
   assert out["device_kind"] == kind
-  for name in ("default", "teams"):
+  for name in ("default", "float32", "teams"):
     got = out[name]
     assert got["device_flops"] == got["plan_flops"], name  # per device, from the HLO
-    assert got["products"] > 0 and got["highest"] == got["products"], name
-    assert got["bf16_products"] == 0, name  # no product quietly in bfloat16
-    assert any("float32 at full precision" in n for n in got["notes"])
+    assert got["products"] > 0, name
+  # Asked for float32: every product's operands are float32 at HIGHEST (none quietly
+  # converted to bfloat16). By default on an accelerator: bf16 operands.
+  for name in ("float32", "teams"):
+    assert out[name]["f32_highest"] == out[name]["products"], out[name]
+    assert any("float32 at full precision" in n for n in out[name]["notes"])
+  assert out["default"]["bf16_operands"] == out["default"]["products"], out["default"]
+  assert any("bfloat16 operands accumulated in float32" in n for n in out["default"]["notes"])
   assert out["default"]["profile"] == profile  # planned from this CPU host for the target
   assert max(out["teams"]["teams"]) > 1
   # Each distinct team run loops over its NS steps with a reduce-scatter and two all-gathers
