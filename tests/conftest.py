@@ -13,9 +13,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
-# A script run in subprocesses by test_multihost.py (it sets its own device count): never
-# imported here, where --doctest-modules would otherwise import it.
-collect_ignore = ["multihost_worker.py"]
+# Scripts run in subprocesses by test_multihost.py and test_aot.py (each sets up its own
+# devices from its command line): never imported here, where --doctest-modules would
+# otherwise import them.
+collect_ignore = ["multihost_worker.py", "aot_worker.py"]
 
 
 
