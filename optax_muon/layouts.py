@@ -56,9 +56,10 @@ class LayoutRule:
     pattern: a regular expression searched in the leaf's path (``"layer_0/attn/q_einsum/w"``).
     axes: one letter per axis of the leaf (see ``AXIS_LETTERS``): ``i`` input, ``o``
       output, ``I``/``O`` attention heads on the input/output side, ``b`` batch; or a
-      callable ``shape -> letters`` for layouts that depend on the shape; or None: the leaf
-      is not a hidden matrix (an embedding) and goes to AdamW. A rule applies only to leaves
-      of the rank its letters have.
+      callable ``shape -> letters`` for layouts that depend on the shape (returning ``""``
+      for shapes it does not describe); or None: the leaf is not a hidden matrix (an
+      embedding) and goes to AdamW. A rule applies only to leaves of the rank its letters
+      have.
     name: what the rule describes, shown by ``summarize``.
     owner: for trees of module objects (Equinox): a regular expression that one of the
       classes of the object holding the leaf must match (``"module.QualName"``); None:
@@ -104,9 +105,11 @@ class LayoutRule:
     return letters is None or len(letters) == len(shape)
 
   def letters(self, shape: tuple[int, ...]) -> str | None:
+    """The letters for a leaf of ``shape``; ``""`` from a callable: not a leaf it describes."""
     if callable(self.axes):
       letters = self.axes(tuple(shape))
-      _check_letters(letters, f"LayoutRule({self.pattern!r}).axes{tuple(shape)}")
+      if letters != "":
+        _check_letters(letters, f"LayoutRule({self.pattern!r}).axes{tuple(shape)}")
       return letters
     return self.axes
 
@@ -130,11 +133,13 @@ def _check_letters(letters: Any, what: str) -> None:
 def _gemma_gating(shape: tuple[int, ...]) -> str:
   # (2, d_model, hidden) in Gemma 2, (2, hidden, d_model) in Gemma 3: the hidden side is
   # the wider one, and it is the output (gate and up projection).
+  if len(shape) != 3:
+    return ""
   return "bio" if shape[1] <= shape[2] else "boi"
 
 
 def _equinox_conv(shape: tuple[int, ...]) -> str:
-  return "oi" + "i" * (len(shape) - 2)  # (out, in, *kernel_size)
+  return "oi" + "i" * (len(shape) - 2) if len(shape) >= 2 else ""  # (out, in, *kernel)
 
 
 #: The layouts ``muon``'s default routing knows (``Routing.layouts``): Gemma's einsum

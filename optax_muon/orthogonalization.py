@@ -116,22 +116,26 @@ class MeshTeam(Team):
 ONE = Team()
 
 
-def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+def _mm(a: jax.Array, b: jax.Array, *, rounded: bool = True) -> jax.Array:
   """a @ b at the precision its dtype asks for, on every backend.
 
   32- and 64-bit operands: ``Precision.HIGHEST`` (a TPU's DEFAULT is one bfloat16 pass on
   the MXU, a GPU's allows TF32). 16-bit operands: products accumulated in float32, the
-  result rounded to the operands' dtype.
+  result rounded to the operands' dtype (``rounded=False``: left in float32).
   """
   if a.dtype.itemsize > 2 or jnp.issubdtype(a.dtype, jnp.complexfloating):
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-  return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+  out = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+  return out.astype(a.dtype) if rounded else out
 
 
 def _gram(x: jax.Array, team: Team = ONE) -> tuple[jax.Array, jax.Array]:
   """X·Xᴴ for a (..., m, n) array (the conjugate transpose, so complex inputs work), summed
-  over the team's column blocks: (this member's row block of it, all of it)."""
-  return team.sum_rows(_mm(x, jnp.conj(jnp.swapaxes(x, -1, -2))))
+  over the team's column blocks: (this member's row block of it, all of it). The members'
+  partial products are summed before rounding to a 16-bit dtype, as one device's product
+  is."""
+  block, whole = team.sum_rows(_mm(x, jnp.conj(jnp.swapaxes(x, -1, -2)), rounded=False))
+  return block.astype(x.dtype), whole.astype(x.dtype)
 
 
 def _precondition(x: jax.Array, kind: str, safety: float, eps: float, team: Team = ONE
