@@ -90,6 +90,7 @@ def test_groups_equal_single_device(case, axis_type):
     assert u.sharding.is_equivalent_to(s, u.ndim)
 
 
+@pytest.mark.slow
 def test_groups_in_a_shard_map_train_step():
   """Inside the user's shard_map (which checks replication): the same update as pjit."""
   params, _ = base._tree(3)
@@ -122,6 +123,7 @@ def test_prohibitive_communication_keeps_the_whole_matrix_plan():
   assert (plan.device_received_bytes() == whole.device_received_bytes()).all()
 
 
+@pytest.mark.slow
 def test_bf16_groups_err_like_single_device():
   """bf16 leaves (NS products in bf16): split and whole round differently; both stay as
   close to the float32 update as bf16 allows."""

@@ -262,6 +262,7 @@ def test_equinox_layers_read_in_pytorch_order():
   assert {rows[p].optimizer for p in ("up/bias", "norm/weight", "norm/bias")} == {"adam"}
 
 
+@pytest.mark.slow
 def test_equinox_update_is_the_transpose_of_the_flax_layout_update():
   params = real_trees.equinox_model()
   tx = om.muon(0.02)
