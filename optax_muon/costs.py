@@ -42,12 +42,18 @@ GRAM_RESTART = 3
 
 # NS FLOPs and team collectives of one matrix.
 
-def _gram_chunk_flops(m: int, n: int, steps: int) -> int:
-  """G and the final Q·X (4·m²·n); P_0 (2·m³); if more steps: A_1 (4·m³), 8·m³ per middle
-  step (A², P·Q, P·A·P) and 4·m³ for the last (A², P·Q)."""
+def _gram_chunk_flops(m: int, n: int, steps: int, rows: int) -> int:
+  """G and the final Q·X (4·m²·n); P_0 (2·r·m²); if more steps: A_1 (4·r·m²), 8·r·m² per
+  middle step (A², Q·P, P·A·P) and 4·r·m² for the last (A², Q·P); r the rows of the m × m
+  products a device computes (m on one device)."""
   if steps == 1:
-    return 4 * m * m * n + 2 * m**3
-  return 4 * m * m * n + 10 * m**3 + 8 * m**3 * (steps - 2)
+    return 4 * m * m * n + 2 * rows * m * m
+  return 4 * m * m * n + (10 + 8 * (steps - 2)) * rows * m * m
+
+
+def _gram_chunks(steps: int, gram_restart: int) -> list[int]:
+  """The steps of each run between Gram restarts."""
+  return [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]
 
 
 def ns_flops(m: int, n: int, steps: int, gram: bool = False,
@@ -56,7 +62,8 @@ def ns_flops(m: int, n: int, steps: int, gram: bool = False,
   each member of a team of ``team`` devices (n divisible by it).
 
   Standard: 4·m²·n/k + 2·⌈m/k⌉·m² per step (the rows of the m × m polynomial split too).
-  Gram: see ``newton_schulz``'s Gram iteration; in a team only G and Q·X₀ are split.
+  Gram: see ``newton_schulz``'s Gram iteration; in a team every m × m product is split by
+  rows as well (⌈m/k⌉ of them on each member).
 
   Examples:
     >>> import optax_muon
@@ -67,10 +74,10 @@ def ns_flops(m: int, n: int, steps: int, gram: bool = False,
   """
   (m, n), _ = ns_orientation(m, n)
   n //= team
+  rows = -(-m // team)
   if not gram:
-    return steps * (4 * m * m * n + 2 * -(-m // team) * m * m)
-  chunks = [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]
-  return sum(_gram_chunk_flops(m, n, k) for k in chunks)
+    return steps * (4 * m * m * n + 2 * rows * m * m)
+  return sum(_gram_chunk_flops(m, n, k, rows) for k in _gram_chunks(steps, gram_restart))
 
 
 def team_collectives(m: int, n: int, steps: int, team: int, gram: bool = False,
@@ -81,17 +88,21 @@ def team_collectives(m: int, n: int, steps: int, team: int, gram: bool = False,
 
   Standard: max and sum of the norm (k − 1 each), then per step the Gram matrix's
   reduce-scatter and all-gather and the polynomial's all-gather ((k − 1)·⌈m/k⌉·m each), in
-  the loop. Gram: max and sum, then a reduce-scatter and an all-gather per restart.
+  the loop. Gram, per run of s steps between restarts: G's reduce-scatter and all-gather,
+  the all-gathers of P_0 and (if s > 1) A_1, two per middle step (P and A; in the loop if
+  there are several) and two for the last (P and the final Q): 2·s + 2 (3 for s = 1).
   """
   (m, _), _ = ns_orientation(m, n)
   if team == 1:
     return ()
   block = (team - 1) * -(-m // team) * m
   out = [(team - 1, False), (team - 1, False)]
-  if gram:
-    out += [(block, False)] * (2 * len(range(0, steps, gram_restart)))
-  else:
-    out += [(block, True)] * (3 * steps)
+  if not gram:
+    return tuple(out + [(block, True)] * (3 * steps))
+  for s in _gram_chunks(steps, gram_restart):
+    middle = max(s - 2, 0)  # a scan of one step compiles to no loop
+    out += [(block, False)] * (3 if s == 1 else 4) + [(block, middle > 1)] * (2 * middle)
+    out += [(block, False)] * (2 if s > 1 else 0)
   return tuple(out)
 
 
@@ -177,6 +188,10 @@ class CostModel:
     f32_flops_per_second: the throughput of float32 products at full precision, where it
       differs (``for_dtype`` picks it); None: ``flops_per_second`` for every dtype.
     name: what the profile describes (``summarize`` shows it).
+    overlap: whether a collective runs while the device computes (asynchronous
+      collectives, as TPUs and GPUs schedule them). Then an exchange may be split into
+      stages that pipeline with Newton–Schulz (``pipelined_seconds``); XLA:CPU runs
+      collectives in line, so its profile says False.
 
   Examples:
     >>> import math, optax_muon
@@ -190,6 +205,7 @@ class CostModel:
   collective_latency: float
   f32_flops_per_second: float | None = None
   name: str = ""
+  overlap: bool = True
 
   def __post_init__(self):
     for name in ("flops_per_second", "bytes_per_second"):
@@ -230,7 +246,7 @@ class _ProfileTable(dict):
 
 PROFILES = _ProfileTable({
     # A server CPU core group: ~1 TFLOP/s f32, collectives through shared memory.
-    "cpu": CostModel(1e12, 20e9, 20e-6, name="cpu"),
+    "cpu": CostModel(1e12, 20e9, 20e-6, name="cpu", overlap=False),
     # NVIDIA H100/H200 SXM: ~990 TFLOP/s dense bf16 and ~495 TF32 at peak (400: what a
     # large matmul reaches), NVLink 450 GB/s per direction.
     "gpu": CostModel(400e12, 450e9, 10e-6, name="gpu"),
@@ -361,14 +377,64 @@ def worker_team_collective_seconds(ex: Any, model: CostModel) -> np.ndarray:
       lambda r: r.cost.collective_seconds(model, len(r.matrices))).astype(np.float64)
 
 
+def exchange_stages(exchanges) -> list[tuple]:
+  """A group's exchanges, consecutive ones of the same buckets together: the stages of one
+  exchange split by matrix so that its all-to-alls pipeline with NS (``plan.stages``)."""
+  runs: list[list] = []
+  for ex in exchanges:
+    if runs and runs[-1][-1].buckets == ex.buckets:
+      runs[-1].append(ex)
+    else:
+      runs.append([ex])
+  return [tuple(r) for r in runs]
+
+
+def pipelined_seconds(ns: list[float], out: list[float], back: list[float]) -> float:
+  """Modelled time of an exchange in stages: stage s + 1 moves out and stage s − 1 comes
+  back while stage s is orthogonalized (one stage: out, NS, back in turn).
+
+  Args:
+    ns: per stage, the busiest worker's NS time.
+    out: per stage, the all-to-all to the owners.
+    back: per stage, the all-to-all back (and the replicas' all-gather).
+  """
+  total = out[0] + back[-1]
+  for s, compute in enumerate(ns):
+    moving = (back[s - 1] if s else 0.0) + (out[s + 1] if s + 1 < len(ns) else 0.0)
+    total += max(compute, moving)
+  return total
+
+
+def _worker_flops(ex: Any) -> np.ndarray:
+  """Per worker of an ``Exchange``, its NS FLOPs (whole matrices and team share)."""
+  return np.asarray(program_flops(ex), np.int64)[np.asarray(ex.program_of)] + \
+      worker_team_flops(ex)
+
+
+def _wire_itemsize(plan: Any, ex: Any) -> int:
+  return np.dtype(plan.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))).itemsize
+
+
+def _exchange_bytes(plan: Any, group: Any, ex: Any, ragged: bool = False) -> np.ndarray:
+  """Per worker, the bytes each of its devices receives in the exchange ``ex`` (see
+  ``device_received_bytes``)."""
+  g, replicas = group.exchange_size, group.workers // group.exchange_size
+  # Elements one device sends each worker: its piece of every matrix the worker owns.
+  owned = np.array(ex.owned_elements(g), np.float64)
+  if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
+    per_worker = (g - 1) * owned + owned.sum() - owned
+  else:
+    per_worker = np.full(group.workers, (2 * (g - 1) + (replicas - 1) * g) * ex.chunk(g))
+  return _wire_itemsize(plan, ex) * per_worker
+
+
 def device_ns_flops(plan: Any) -> np.ndarray:
   """NS FLOPs each device runs per step under ``plan``, as an array of the mesh's shape."""
   loads = np.zeros([size for _, size in plan.mesh_shape], np.int64)
   for group in plan.groups:
     worker = group.worker_of_devices(plan.mesh_shape)
     for ex in group.exchanges:
-      flops = np.asarray(program_flops(ex), np.int64)[np.asarray(ex.program_of)]
-      loads = loads + (flops + worker_team_flops(ex))[worker]
+      loads = loads + _worker_flops(ex)[worker]
   return loads
 
 
@@ -391,40 +457,56 @@ def device_received_bytes(plan: Any, ragged: bool = False) -> np.ndarray:
     if group.workers == 1:
       continue
     worker = group.worker_of_devices(plan.mesh_shape)
-    g, replicas = group.exchange_size, group.workers // group.exchange_size
     for ex in group.exchanges:
-      wire = plan.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
-      itemsize = np.dtype(wire).itemsize
-      # Elements one device sends each worker: its piece of every matrix the worker owns.
-      owned = np.array(ex.owned_elements(g), np.float64)
-      if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
-        per_worker = (g - 1) * owned + owned.sum() - owned
-      else:
-        chunk = ex.chunk(g)
-        per_worker = np.full(group.workers, (2 * (g - 1) + (replicas - 1) * g) * chunk)
-      received += itemsize * per_worker[worker]
+      received += _exchange_bytes(plan, group, ex, ragged)[worker]
   return received
+
+
+def _stage_seconds(plan: Any, group: Any, ex: Any, model: CostModel
+                   ) -> tuple[float, float, float]:
+  """One stage of a pipelined exchange: the busiest worker's NS time (team collectives
+  included), the all-to-all out and the way back (with the replicas' all-gather)."""
+  compute = (_worker_flops(ex) / model.flops_per_second
+             + worker_team_collective_seconds(ex, model)).max()
+  g, replicas = group.exchange_size, group.workers // group.exchange_size
+  chunk = _wire_itemsize(plan, ex) * ex.chunk(g)
+  one_way = model.collective_seconds((g - 1) * chunk) if g > 1 else 0.0
+  gather = model.collective_seconds((replicas - 1) * g * chunk) if group.split else 0.0
+  return float(compute), one_way, one_way + gather
 
 
 def device_seconds(plan: Any, model: CostModel | None = None) -> np.ndarray:
   """Modelled NS and exchange time of each device per step, as an array of the mesh's
   shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its
-  all-to-alls (and replica all-gathers).
+  all-to-alls (and replica all-gathers); an exchange in stages takes its pipelined time
+  (``pipelined_seconds``) on each of its group's devices.
 
   Args:
     plan: the ``Plan``.
     model: the cost model; ``None`` takes the plan's (or, if none, the default profile).
   """
   model = model or plan.cost_model or default_cost_model()
-  seconds = device_ns_flops(plan) / model.flops_per_second
-  seconds = seconds + device_received_bytes(plan) / model.bytes_per_second
+  flops = np.zeros([size for _, size in plan.mesh_shape], np.int64)
+  received = np.zeros(flops.shape, np.float64)
+  single, staged = [], []
   for group in plan.groups:
-    if group.workers == 1:
-      continue
     worker = group.worker_of_devices(plan.mesh_shape)
-    for ex in group.exchanges:
+    for stages in exchange_stages(group.exchanges):
+      if len(stages) > 1:
+        staged.append((group, stages))
+        continue
+      single.append((group, worker, stages[0]))
+      flops = flops + _worker_flops(stages[0])[worker]
+      if group.workers > 1:
+        received = received + _exchange_bytes(plan, group, stages[0])[worker]
+  seconds = flops / model.flops_per_second + received / model.bytes_per_second
+  for group, worker, ex in single:
+    if group.workers > 1:
       seconds = seconds + (2 * (group.exchange_size > 1) + group.split) * (
           model.collective_latency) + worker_team_collective_seconds(ex, model)[worker]
+  for group, stages in staged:
+    ns, out, back = zip(*(_stage_seconds(plan, group, ex, model) for ex in stages))
+    seconds = seconds + pipelined_seconds(ns, out, back)
   return seconds
 
 

@@ -26,7 +26,8 @@ class Team:
   polynomial, then the blocks are gathered): per member 4·m²·n/k + 2·⌈m/k⌉·m² FLOPs per
   step. Collectives per step: the Gram matrix's all-reduce (a reduce-scatter and an
   all-gather, (k − 1)/k·m² elements received each) and the all-gather of the polynomial's
-  rows ((k − 1)/k·m²).
+  rows ((k − 1)/k·m²). The Gram iteration splits all of its products the same way (see
+  ``costs.ns_flops`` and ``costs.team_collectives``).
   """
 
   size = 1
@@ -203,30 +204,39 @@ def _gram_iterations(x: jax.Array, rows: np.ndarray, gram: jax.Array | None = No
                      team: Team = ONE) -> jax.Array:
   """The same iteration carried out on m × m matrices; x has m ≤ n.
 
-  Every X_k is Q_k·X_0 with Q_k a polynomial in G = X_0·X_0ᵀ, so everything commutes:
-  P_k = a·I + b·A_k + c·A_k², Q_{k+1} = P_k·Q_k, A_{k+1} = P_k·A_k·P_k. Only G and the final
-  Q·X_0 touch the long side: 4·m²·n + 8·m³ per step instead of (4·m²·n + 2·m³) per step.
-  ``gram``, when given, is G (the preconditioning computed it). In a team the m × m work is
-  done by every member (only G and Q·X_0 are split).
+  Every X_k is Q_k·X_0 with Q_k a polynomial in G = X_0·X_0ᴴ, so everything commutes:
+  P_k = a·I + b·A_k + c·A_k², Q_{k+1} = Q_k·P_k, A_{k+1} = (P_k·A_k)·P_k. Only G and the
+  final Q·X_0 touch the long side: 4·m²·n + 8·m³ per step instead of (4·m²·n + 2·m³) per
+  step. ``gram``, when given, is G (the preconditioning computed it).
+
+  In a team every product is split: each member computes its block of rows of P, A and Q
+  (a row block of a product needs the whole right operand, so P and A are gathered after
+  each step and Q once, for Q·X_0).
   """
   rows = jnp.asarray(rows, dtype=x.dtype)
-  eye = jnp.eye(x.shape[-2], dtype=x.dtype)
+  m = x.shape[-2]
+  eye = team.row_block(jnp.eye(m, dtype=x.dtype))
 
-  def poly(gram, abc):
-    return abc[0] * eye + abc[1] * gram + abc[2] * _mm(gram, gram)
+  def poly(block, whole, abc):  # this member's rows of a·I + b·A + c·A²
+    return abc[0] * eye + abc[1] * block + abc[2] * _mm(block, whole)
+
+  def next_a(p_block, a, p):  # rows of A' = (P·A)·P, and all of it
+    a_block = _mm(_mm(p_block, a), p)
+    return a_block, team.gather_rows(a_block, m)
 
   def step(carry, abc):
-    q, gram = carry
-    p = poly(gram, abc)
-    return (_mm(p, q), _mm(p, _mm(gram, p))), None
+    q_block, a_block, a = carry
+    p_block = poly(a_block, a, abc)
+    p = team.gather_rows(p_block, m)
+    return (_mm(q_block, p), *next_a(p_block, a, p)), None
 
-  gram = _gram(x, team)[1] if gram is None else gram
-  q = poly(gram, rows[0])  # Q_1 = P_0: no product with the identity.
+  g_block, g = _gram(x, team) if gram is None else (team.row_block(gram), gram)
+  q_block = poly(g_block, g, rows[0])  # Q_1 = P_0: no product with the identity.
   if len(rows) > 1:
-    gram = _mm(q, _mm(gram, q))
-    (q, gram), _ = jax.lax.scan(step, (q, gram), rows[1:-1])
-    q = _mm(poly(gram, rows[-1]), q)  # The last A is never needed.
-  return _mm(q, x)
+    a_block, a = next_a(q_block, g, team.gather_rows(q_block, m))
+    (q_block, a_block, a), _ = jax.lax.scan(step, (q_block, a_block, a), rows[1:-1])
+    q_block = _mm(q_block, team.gather_rows(poly(a_block, a, rows[-1]), m))  # no last A
+  return _mm(team.gather_rows(q_block, m), x)
 
 
 def newton_schulz(x: jax.Array, ns_coeffs: CoefficientsLike = "jordan", *,

@@ -65,6 +65,26 @@ def test_team_flops_and_collectives_are_the_model():
   assert all(c.multiplicity == steps for c in in_loop)
 
 
+@pytest.mark.parametrize("k, steps, restart", [(4, 5, 3), (2, 6, 5)])
+def test_team_gram_splits_every_product(k, steps, restart):
+  """The Gram iteration in a team: each member's FLOPs are ``ns_flops(..., team=k)``, about
+  1/k of one device's (every m × m product split by rows, not only G and Q·X₀), and its
+  collectives are ``team_collectives``'s."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (8 // k, M, N))
+  table = om.resolve_coefficients("jordan", steps)
+  kw = dict(method="gram", gram_restart=restart)
+  got, compiled = _team_run(x, table, k, **kw)
+  assert rel_err(got, om.newton_schulz(x, table, **kw)) < 1e-5
+  cost = hlo_cost.analyze(compiled, 8)
+  assert cost.dot_flops == om.ns_flops(M, N, steps, True, restart, team=k)
+  whole = om.ns_flops(M, N, steps, True, restart)
+  assert cost.dot_flops <= whole / k + steps * 2 * M**3 / k  # the ⌈m/k⌉ rows' rounding
+  model = om.costs.team_collectives(M, N, steps, k, True, restart)
+  assert sum(c.multiplicity for c in cost.collectives) == len(model)
+  assert sum(c.multiplicity for c in cost.collectives if c.in_loop) == sum(
+      in_loop for _, in_loop in model)
+
+
 def test_team_complex():
   key1, key2 = jax.random.split(jax.random.PRNGKey(3))
   x = (jax.random.normal(key1, (2, M, N)) + 1j * jax.random.normal(key2, (2, M, N)))
