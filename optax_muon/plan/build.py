@@ -20,11 +20,11 @@ from optax_muon.plan.teams import TeamSplit, choose_teams
 from optax_muon.sharding import LeafSharding
 
 
-def _plan_with(splits: dict[int, TeamSplit], *, placements: list[LeafPlacement],
-               groups: list[Group], exchanges: list[ExchangeBuckets], mesh_shape: MeshShape,
+def _plan_with(exchanges: list[ExchangeBuckets], splits: dict[int, TeamSplit], *,
+               placements: list[LeafPlacement], groups: list[Group], mesh_shape: MeshShape,
                options: ShardingOptions, weigh_bytes: bool, model: CostModel | None) -> Plan:
-  """The plan whose exchanges split the kinds ``splits`` gives (per exchange index) over
-  teams, owners chosen for everything else."""
+  """The plan of ``exchanges`` whose kinds ``splits`` gives (per exchange index) teams
+  orthogonalize, owners chosen for everything else."""
   spread = options.exchange == "per_shape"
   matrices, loads = place_matrices(groups, exchanges, mesh_shape, spread, weigh_bytes, splits,
                                    model, placements)
@@ -37,7 +37,8 @@ def _plan_with(splits: dict[int, TeamSplit], *, placements: list[LeafPlacement],
     made[exchange.group].append(make_exchange(
         exchange.buckets, ownership(m, exchange.buckets), placements,
         groups[exchange.group].workers, splits.get(e)))
-  done = [dataclasses.replace(group, exchanges=tuple(x)) for group, x in zip(groups, made)]
+  done = [dataclasses.replace(group, buckets=tuple(b for x in mine for b in x.buckets),
+                              exchanges=tuple(mine)) for group, mine in zip(groups, made)]
   return Plan(mesh_shape, tuple(placements), tuple(done), options.exchange,
               options.wire_dtype, model)
 
@@ -72,9 +73,9 @@ def build_plan(layouts: Sequence[MatrixLayout], shardings: Sequence[LeafSharding
   if team_cost is not None and any(g.sharded and g.workers > 1 for g in groups):
     model = options.cost_model or default_cost_model()
   plan_with = functools.partial(
-      _plan_with, placements=placements, groups=groups, exchanges=exchanges,
-      mesh_shape=mesh_shape, options=options, weigh_bytes=weigh_bytes, model=model)
-  whole = plan_with({})
+      _plan_with, placements=placements, groups=groups, mesh_shape=mesh_shape,
+      options=options, weigh_bytes=weigh_bytes, model=model)
+  whole = plan_with(exchanges, {})
   if model is None:
     return whole
   return choose_teams(whole, plan_with, groups, exchanges, placements, team_cost, model)

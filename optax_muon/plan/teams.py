@@ -1,14 +1,22 @@
 """The team search: which kinds of matrices teams of devices orthogonalize, and how large the
 teams are.
 
-A kind is the matrices of one bucket whose pieces are cut the same way (one signature).
-Per exchange, for every team size k (a divisor of the workers) and every prefix of the kinds
-in decreasing order of NS FLOPs (those that a long-side dimension of the local block lets
-split k ways), the plan is built (the owner choice places whole matrices and team matrices
-together) and its whole-tree critical path modelled; the shortest is kept, and whole
-matrices unless splitting shortens it by more than ``SPLIT_MARGIN``. Candidates whose lower
-bound (the busiest device's share of all work, or the slowest single piece of work) is no
-better are not built.
+A kind is the matrices of one bucket whose pieces are cut the same way (one signature). A
+kind can be split over teams of k workers, k a divisor of its group's workers that a
+long-side dimension of the local block allows, each member then running f(k) NS FLOPs of
+each matrix (``SplitKind.cost``). A level T, a per-device FLOP budget, sets k for every kind
+of the tree: whole matrices (k = 1) if their c ≤ T, else the smallest k with f(k) ≤ T (the
+cheapest k if none reaches it). Kinds of one exchange with different k travel in separate
+exchanges, one per k (an exchange's teams have one size), the whole matrices with the first.
+
+The candidates are the whole-matrix plan and one plan per level, the levels being every
+c and f(k) of every kind. The set does not depend on the cost model, which only picks
+among them: the plan chosen under a model is, under that model, no slower than the
+whole-matrix plan, nor (up to ``SPLIT_MARGIN``) than the plan chosen with free
+communication. Candidates are built in increasing order of a lower bound on their modelled
+time (the busiest device's share of its group's work, its slowest piece of work and its
+all-to-alls' latency) until the bound reaches the best one built; whole matrices stay unless
+teams shorten the modelled critical path by more than ``SPLIT_MARGIN``.
 """
 
 from __future__ import annotations
@@ -100,11 +108,12 @@ class TeamSplit:
 def split_dim(p: LeafPlacement, size: int) -> ColumnSplit | None:
   """How ``p``'s matrices split ``size`` ways: a long-side dimension and its local extent
   padded to a multiple of ``size``, the least padding first, then the largest extent; None
-  if every long-side dimension's local extent is below ``size``."""
+  if every long-side dimension's local extent e is at most ``size``/2 (at ``size`` ≥ e each
+  member holds one of the e columns, or only padding, so a larger team saves nothing)."""
   layout = p.layout
   long_side = layout.reduction_axes if layout.transposed else layout.output_axes
   options = [(-(-p.local_shape[d] // size) * size, d) for d in long_side
-             if p.local_shape[d] >= size]
+             if 2 * p.local_shape[d] > size]
   if not options:
     return None
   padded, dim = min(options, key=lambda o: (o[0] - p.local_shape[o[1]], -o[0]))
@@ -123,48 +132,160 @@ def _kinds(buckets: tuple[Bucket, ...], placements: list[LeafPlacement]
   return kinds
 
 
-def _splittable(order: list[Kind], kinds: dict[Kind, KindStats], buckets: tuple[Bucket, ...],
+def _split_kind(kind: Kind, leaf: int, buckets: tuple[Bucket, ...],
                 placements: list[LeafPlacement],
                 team_cost: Callable[[int, int, Any, int], TeamCost], size: int
-                ) -> dict[Kind, SplitKind]:
-  """The kinds of ``order`` that teams of ``size`` can split, in that order."""
-  out = {}
-  for kind in order:
-    leaf = placements[kinds[kind].leaf]
-    cut = split_dim(leaf, size)
-    if cut is None:
+                ) -> SplitKind | None:
+  """How teams of ``size`` split the matrices of ``kind``; None if they cannot."""
+  p = placements[leaf]
+  cut = split_dim(p, size)
+  if cut is None:
+    return None
+  bucket, extent = buckets[kind.bucket], p.local_shape[cut.dim]
+  m, n = bucket.shape
+  block = math.prod(p.piece_shape) // extent * cut.padded // size
+  return SplitKind(leaf, cut.dim, team_cost(m, n // extent * cut.padded, bucket.dtype, size),
+                   block)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeKinds:
+  """The kinds of one exchange and the ways each can split.
+
+  Attributes:
+    workers: the group's workers.
+    kinds: per kind, its stats, in decreasing order of NS FLOPs.
+    splits: per kind, per feasible team size k, the split.
+  """
+
+  workers: int
+  kinds: dict[Kind, KindStats]
+  splits: dict[Kind, dict[int, SplitKind]]
+
+  def member_flops(self, kind: Kind, size: int) -> int:
+    """A member's NS FLOPs of one matrix of ``kind`` on teams of ``size`` (1: whole)."""
+    return self.kinds[kind].flops if size == 1 else self.splits[kind][size].cost.flops
+
+  def sizes_at(self, level: float) -> dict[Kind, int]:
+    """Per kind, its team size at FLOP level ``level`` (see the module docstring)."""
+    out = {}
+    for kind in self.kinds:
+      options = [1] + sorted(self.splits[kind])
+      fits = [k for k in options if self.member_flops(kind, k) <= level]
+      out[kind] = fits[0] if fits else min(options, key=lambda k: (
+          self.member_flops(kind, k), k))
+    return out
+
+  def seconds(self, kind: Kind, size: int, model: CostModel) -> float:
+    """A lower bound on a member's time for one matrix: its FLOPs and its collectives'
+    bytes (a batch of matrices shares each collective's latency)."""
+    if size == 1:
+      return model.compute_seconds(self.kinds[kind].flops)
+    cost = self.splits[kind][size].cost
+    return (model.compute_seconds(cost.flops)
+            + sum(cost.collective_bytes) / model.bytes_per_second)
+
+
+def exchange_kinds(exchange: ExchangeBuckets, group: Group, placements: list[LeafPlacement],
+                   team_cost: Callable[[int, int, Any, int], TeamCost]) -> ExchangeKinds:
+  """The kinds of ``exchange`` and every team size that can split each."""
+  stats = _kinds(exchange.buckets, placements)
+  kinds = dict(sorted(stats.items(), key=lambda item: -item[1].flops))
+  splits: dict[Kind, dict[int, SplitKind]] = {kind: {} for kind in kinds}
+  for size in range(2, group.workers + 1):
+    if group.workers % size:
       continue
-    bucket, extent = buckets[kind.bucket], leaf.local_shape[cut.dim]
-    m, n = bucket.shape
-    block = math.prod(leaf.piece_shape) // extent * cut.padded // size
-    out[kind] = SplitKind(kinds[kind].leaf, cut.dim,
-                          team_cost(m, n // extent * cut.padded, bucket.dtype, size), block)
+    for kind, kind_stats in kinds.items():
+      found = _split_kind(kind, kind_stats.leaf, exchange.buckets, placements, team_cost,
+                          size)
+      if found is not None:
+        splits[kind][size] = found
+  return ExchangeKinds(group.workers, kinds, splits)
+
+
+def _sub_bucket(bucket: Bucket, b: int, kinds: list[Kind],
+                placements: list[LeafPlacement]) -> Bucket | None:
+  """The matrices of ``bucket`` (index ``b``) of the kinds ``kinds``; None if none."""
+  signatures = {kind.signature for kind in kinds if kind.bucket == b}
+  members = tuple(i for i in bucket.members if placements[i].signature in signatures)
+  if not members:
+    return None
+  return dataclasses.replace(bucket, members=members,
+                             matrices=sum(placements[i].local_batch for i in members))
+
+
+def split_exchange(exchange: ExchangeBuckets, sizes: dict[Kind, int], found: ExchangeKinds,
+                   placements: list[LeafPlacement]
+                   ) -> list[tuple[ExchangeBuckets, TeamSplit | None]]:
+  """``exchange`` cut into one exchange per team size of ``sizes``, largest first, each with
+  the kinds of that size (and the first with the whole ones), and each one's split."""
+  team_sizes = sorted({k for k in sizes.values() if k > 1}, reverse=True)
+  if not team_sizes:
+    return [(exchange, None)]
+  out = []
+  for n, size in enumerate(team_sizes):
+    mine = [kind for kind, k in sizes.items() if k == size or (n == 0 and k == 1)]
+    buckets, kinds = [], {}
+    for b, bucket in enumerate(exchange.buckets):
+      sub = _sub_bucket(bucket, b, mine, placements)
+      if sub is None:
+        continue
+      for kind in found.kinds:  # decreasing NS FLOPs
+        if kind.bucket == b and sizes[kind] == size:
+          kinds[Kind(len(buckets), kind.signature)] = found.splits[kind][size]
+      buckets.append(sub)
+    out.append((ExchangeBuckets(exchange.group, tuple(buckets)), TeamSplit(size, kinds)))
   return out
 
 
-def _lower_bound(split: TeamSplit, kinds: dict[Kind, KindStats], order: list[Kind],
-                 workers: int, model: CostModel) -> float:
-  """Seconds no plan with ``split`` can beat: the busiest device's share of all the work,
-  or the slowest single piece of it."""
-  whole = [kind for kind in order if kind not in split.kinds]
-  team_work = sum(kinds[kind].matrices * split.effective_flops(kind, model) * split.size
-                  for kind in split.kinds)
-  whole_work = sum(kinds[kind].matrices * kinds[kind].flops for kind in whole)
-  slowest = max([split.effective_flops(kind, model) for kind in split.kinds]
-                + [kinds[kind].flops for kind in whole])
-  return max((team_work + whole_work) / workers, slowest) / model.flops_per_second
+def _layout(exchanges: list[ExchangeBuckets], found: dict[int, ExchangeKinds],
+            sizes: dict[int, dict[Kind, int]], placements: list[LeafPlacement]
+            ) -> tuple[list[ExchangeBuckets], dict[int, TeamSplit]]:
+  """The exchanges of the tree with each one's kinds at ``sizes``, and their splits (by
+  index into the new exchanges)."""
+  out, splits = [], {}
+  for e, exchange in enumerate(exchanges):
+    parts = (split_exchange(exchange, sizes[e], found[e], placements) if e in sizes
+             else [(exchange, None)])
+    for part, split in parts:
+      if split is not None:
+        splits[len(out)] = split
+      out.append(part)
+  return out, splits
 
 
-def choose_teams(whole: Plan, plan_with: Callable[[dict[int, TeamSplit]], Plan],
-                 groups: list[Group], exchanges: list[ExchangeBuckets],
-                 placements: list[LeafPlacement],
+def _lower_bound(sizes: dict[int, dict[Kind, int]], found: dict[int, ExchangeKinds],
+                 exchanges: list[ExchangeBuckets], groups: list[Group],
+                 model: CostModel) -> float:
+  """Seconds no plan with ``sizes`` can beat: per group, the busiest device's share of its
+  work or its slowest piece of work, plus its all-to-alls' latency."""
+  work = [0.0] * len(groups)
+  slowest = [0.0] * len(groups)
+  for e, per_kind in sizes.items():
+    g = exchanges[e].group
+    for kind, k in per_kind.items():
+      seconds = found[e].seconds(kind, k, model)
+      work[g] += found[e].kinds[kind].matrices * k * seconds
+      slowest[g] = max(slowest[g], seconds)
+  bound = 0.0
+  for g, group in enumerate(groups):
+    parts = sum(len({k for k in sizes[e].values() if k > 1}) or 1
+                for e in sizes if exchanges[e].group == g)
+    latency = parts * (2 * (group.exchange_size > 1) + group.split) * model.collective_latency
+    bound = max(bound, max(work[g] / group.workers, slowest[g]) + latency)
+  return bound
+
+
+def choose_teams(whole: Plan, plan_with: Callable[..., Plan], groups: list[Group],
+                 exchanges: list[ExchangeBuckets], placements: list[LeafPlacement],
                  team_cost: Callable[[int, int, Any, int], TeamCost],
                  model: CostModel) -> Plan:
   """The plan with the shortest modelled critical path (see the module docstring).
 
   Args:
     whole: the whole-matrix plan.
-    plan_with: the plan given each exchange's ``TeamSplit`` (by index into ``exchanges``).
+    plan_with: the plan of given exchanges and their ``TeamSplit`` (by index),
+      ``plan_with(exchanges, splits)``.
     groups: the groups.
     exchanges: the buckets of every exchange.
     placements: the leaves.
@@ -174,29 +295,24 @@ def choose_teams(whole: Plan, plan_with: Callable[[dict[int, TeamSplit]], Plan],
   Returns:
     The chosen plan.
   """
-  best_plan, best_seconds = whole, critical_seconds(whole, model)
-  limit = best_seconds * (1 - SPLIT_MARGIN)
-  splits: dict[int, TeamSplit] = {}
-  for e, exchange in enumerate(exchanges):
-    group = groups[exchange.group]
-    if not group.sharded or group.workers == 1:
-      continue
-    kinds = _kinds(exchange.buckets, placements)
-    order = sorted(kinds, key=lambda kind: -kinds[kind].flops)
-    found = None
-    for size in range(2, group.workers + 1):
-      if group.workers % size:
-        continue
-      feasible = list(_splittable(order, kinds, exchange.buckets, placements, team_cost,
-                                  size).items())
-      for j in range(1, len(feasible) + 1):
-        split = TeamSplit(size, dict(feasible[:j]))
-        if _lower_bound(split, kinds, order, group.workers, model) >= min(best_seconds, limit):
-          continue
-        plan = plan_with({**splits, e: split})
-        seconds = critical_seconds(plan, model)
-        if seconds < min(best_seconds, limit):
-          best_plan, best_seconds, found = plan, seconds, split
-    if found is not None:
-      splits[e] = found
-  return best_plan
+  found = {e: exchange_kinds(x, groups[x.group], placements, team_cost)
+           for e, x in enumerate(exchanges)
+           if groups[x.group].sharded and groups[x.group].workers > 1}
+  levels = sorted({f.member_flops(kind, k) for f in found.values() for kind in f.kinds
+                   for k in [1, *f.splits[kind]]}, reverse=True)
+  candidates = {}
+  for level in levels:
+    sizes = {e: f.sizes_at(level) for e, f in found.items()}
+    key = tuple(tuple(s.items()) for s in sizes.values())
+    if any(k > 1 for s in sizes.values() for k in s.values()) and key not in candidates:
+      candidates[key] = (_lower_bound(sizes, found, exchanges, groups, model), -level, sizes)
+  whole_seconds = critical_seconds(whole, model)
+  best_plan, best_seconds = whole, whole_seconds
+  for bound, _, sizes in sorted(candidates.values(), key=lambda c: c[:2]):
+    if bound >= best_seconds:
+      break
+    plan = plan_with(*_layout(exchanges, found, sizes, placements))
+    seconds = critical_seconds(plan, model)
+    if seconds < best_seconds:
+      best_plan, best_seconds = plan, seconds
+  return best_plan if best_seconds < whole_seconds * (1 - SPLIT_MARGIN) else whole
