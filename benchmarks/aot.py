@@ -16,12 +16,14 @@ environment (they cannot share a process)::
 
 Per target and tree, one row per optimizer: optax_muon as it plans by default (the cost
 profile of the target's devices, found from their ``device_kind``),
-with teams forced off (prohibitive communication) and forced on (free communication), and
-optax.contrib.muon. Columns: temp and argument memory per device
+with teams forced off (prohibitive communication) and forced on (free communication), with
+its exchange in one stage (no overlap with NS), and optax.contrib.muon. Compiled with
+asynchronous collectives (``TPU_FLAGS``, ``GPU_FLAGS``). Columns: temp and argument memory per device
 (``memory_analysis``); the busiest device's NS FLOPs counted from that compiler's HLO
 (``hlo_cost``: dots, and the convolutions a TPU writes them as, times loop trip counts)
 beside the plan's; collectives by kind with the bytes a device receives (ring model); the
-share of all-to-all bytes whose start/done pair has matrix products scheduled between them;
+share of all-to-all bytes whose start/done pair has matrix products scheduled between them
+(the exchange's stages: see ``ShardingOptions.exchange_stages``);
 compile CPU seconds (``time.process_time`` of lower + compile, optimizers alternating); the
 plan's modelled NS and exchange time.
 """
@@ -71,12 +73,23 @@ TREES = {
 }
 
 
+# Asynchronous collectives, as production runs set them: without them a TPU's all-to-all
+# is a synchronous op and nothing overlaps it (MaxText's TPU recipes set the same flag); on
+# GPUs the latency-hiding scheduler places the start/done pairs around independent compute.
+TPU_FLAGS = "--xla_tpu_enable_async_all_to_all=true"
+GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
+             "--xla_gpu_experimental_parallel_collective_overlap_limit=2")
+
+
 def _set_platform_env(platform: str) -> None:
-  """Before JAX starts: libtpu's host probing quieted, or the CUDA plugin kept deviceless."""
+  """Before JAX starts: libtpu's host probing quieted, or the CUDA plugin kept deviceless;
+  the flags for asynchronous collectives."""
   if platform == "tpu":
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-512")
+    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {TPU_FLAGS}"
   else:
     os.environ["JAX_PLATFORMS"] = "cpu"  # else the plugin calls cuInit, fails, unregisters
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {GPU_FLAGS}"
 
 
 def make_mesh(target: Target, config_dir: pathlib.Path = GPU_TARGETS):
@@ -124,11 +137,15 @@ def llama_tree(mesh, d: int, layers: int, heads: int, kv_heads: int, ffn: int, v
 
 
 def target_profile(mesh):
-  """The cost profile of the mesh's devices at float32 NS, as the plan finds it."""
+  """The cost profile of the mesh's devices at the default NS compute dtype (bfloat16 on
+  TPUs and GPUs), as the plan finds it."""
   import jax.numpy as jnp  # noqa: PLC0415
 
+  import optax_muon  # noqa: PLC0415
   from optax_muon import costs  # noqa: PLC0415
-  return costs.profile_of(costs.mesh_devices(mesh)).for_dtype(jnp.float32)
+  devices = costs.mesh_devices(mesh)
+  compute = optax_muon.NSOptions().resolved(devices[0].platform).compute_dtype
+  return costs.profile_of(devices).for_dtype(compute or jnp.float32)
 
 
 def optimizers(mesh, dims, contrib_dims, shardings) -> dict:
@@ -143,10 +160,12 @@ def optimizers(mesh, dims, contrib_dims, shardings) -> dict:
             "optax_muon, whole matrices": optax_muon.CostModel(profile.flops_per_second, 1.0,
                                                                1.0),
             "optax_muon, teams": optax_muon.CostModel(profile.flops_per_second, math.inf, 0.0)}
+  options = {name: optax_muon.ShardingOptions(cost_model=model)
+             for name, model in models.items()}
+  options["optax_muon, one stage"] = optax_muon.ShardingOptions(exchange_stages=1)
   out = {name: (optax_muon.muon(0.02, muon_weight_dimension_numbers=dims,
-                                param_shardings=shardings,
-                                sharding=optax_muon.ShardingOptions(cost_model=model)), model)
-         for name, model in models.items()}
+                                param_shardings=shardings, sharding=o),
+                o.cost_model) for name, o in options.items()}
   if contrib_dims is not None:
     out["optax.contrib.muon"] = (optax.contrib.muon(
         0.02, muon_weight_dimension_numbers=contrib_dims), None)
@@ -172,6 +191,7 @@ def row(name: str, tx, model, compiled, seconds: float, params, mesh, target: Ta
 
   import hlo_cost  # noqa: PLC0415
   import optax_muon  # noqa: PLC0415
+  from optax_muon import costs  # noqa: PLC0415
   n = mesh.devices.size
   profile = target_profile(mesh)
   cost = hlo_cost.analyze(compiled, n)
@@ -201,6 +221,8 @@ def row(name: str, tx, model, compiled, seconds: float, params, mesh, target: Ta
     out["modelled ms"] = plan.critical_seconds(profile) * 1e3
     out["teams"] = sorted({ex.team_size for g in plan.groups for ex in g.exchanges
                            if ex.teams}) or [1]
+    out["stages"] = max(len(s) for g in plan.groups
+                        for s in costs.exchange_stages(g.exchanges))
   return out
 
 
@@ -233,7 +255,7 @@ def measure(target_name: str, tree: str, repeats: int, contrib: bool = True) -> 
 def table(rows: list[dict]) -> str:
   """A markdown table of ``rows`` (one target and tree)."""
   head = ("optimizer", "profile", "temp GB", "arg GB", "NS GFLOP busiest (HLO)", "(plan)", "teams k",
-          "collectives: count, received MB", "a2a overlapped", "compile CPU s",
+          "stages", "collectives: count, received MB", "a2a overlapped", "compile CPU s",
           "modelled ms")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
@@ -248,7 +270,8 @@ def table(rows: list[dict]) -> str:
         r["optimizer"], r.get("profile", "—"), f"{r['temp GB']:.3f}", f"{r['argument GB']:.3f}",
         f"{r['NS GFLOP (HLO)']:.1f}",
         f"{r['NS GFLOP (plan)']:.1f}" if "NS GFLOP (plan)" in r else "—",
-        ",".join(map(str, r.get("teams", []))) or "—", collectives or "—",
+        ",".join(map(str, r.get("teams", []))) or "—", str(r.get("stages", "—")),
+        collectives or "—",
         "—" if share is None else f"{share:.0%}", f"{r['compile CPU s']:.1f}",
         f"{r['modelled ms']:.2f}" if "modelled ms" in r else "—"]) + " |")
   return "\n".join(lines)

@@ -170,7 +170,7 @@ def team_cost(ns: Any, m: int, n: int, dtype: Any, team: int, steps: int) -> Tea
   collectives = team_collectives(m, n, steps, team, gram, ns.gram_restart)
   return TeamCost(ns_flops(m, n, steps, gram, ns.gram_restart, team),
                   tuple(e * compute.itemsize for e, _ in collectives),
-                  sum(in_loop for _, in_loop in collectives) // steps)
+                  sum(in_loop for _, in_loop in collectives) // steps, gram)
 
 
 # Modelled time.
@@ -331,11 +331,13 @@ class TeamCost:
     flops: its NS FLOPs.
     collective_bytes: per collective it runs, the bytes it receives.
     loop_collectives: how many of those run in each step of the NS loop.
+    gram: whether it runs the Gram iteration (else the standard one).
   """
 
   flops: int
   collective_bytes: tuple[int, ...]
   loop_collectives: int
+  gram: bool = False
 
   def collective_seconds(self, model: CostModel, matrices: int = 1) -> float:
     """Modelled time of its collectives for ``matrices`` matrices run as one batch (each
@@ -378,11 +380,13 @@ def worker_team_collective_seconds(ex: Any, model: CostModel) -> np.ndarray:
 
 
 def exchange_stages(exchanges) -> list[tuple]:
-  """A group's exchanges, consecutive ones of the same buckets together: the stages of one
-  exchange split by matrix so that its all-to-alls pipeline with NS (``plan.stages``)."""
+  """A group's exchanges, consecutive ones of the same buckets (without teams) together:
+  the stages of one exchange split by matrix so that its all-to-alls pipeline with NS
+  (``plan.stages``)."""
   runs: list[list] = []
   for ex in exchanges:
-    if runs and runs[-1][-1].buckets == ex.buckets:
+    if (runs and not ex.teams and not runs[-1][-1].teams
+        and runs[-1][-1].buckets == ex.buckets):
       runs[-1].append(ex)
     else:
       runs.append([ex])

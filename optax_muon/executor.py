@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_muon import costs
 from optax_muon.orthogonalization import MeshTeam
 from optax_muon.plan.model import Exchange, Group, LeafPlacement, Plan, Program, TeamProgram
 from optax_muon.spec import TreeSpec
@@ -254,70 +255,93 @@ def _switch(index, branches, operand):
   return jax.lax.switch(index, branches, operand)
 
 
-def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
-                  ex: Exchange, out: list) -> None:
-  """Orthogonalizes the matrices of ``ex`` with one all-to-all each way; fills ``out``."""
+def _run_stage(stacks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
+               ex: Exchange) -> tuple[jax.Array, np.ndarray, int]:
+  """Steps 2–6 of ``_run_exchange`` for one stage: this device's pieces out to their
+  owners, NS there, the results back.
+
+  Returns:
+    (the results as (workers, chunk) rows, as the replicas' all-gather leaves them; where
+    each of their units belongs in the stacks (``buffer_units``); the unit).
+  """
   g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
+  wire = jnp.dtype(plan.wire_dtype or jnp.result_type(*stacks))
+  replicas = workers // g
+  rep = _index(group.replica_axes) if group.split else 0
+  index, unit = buffer_units(ex, plan, g)  # (workers, chunk // unit)
+  # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
+  # busiest worker's; replicas hold the same data, so each sends its own workers' only.
+  units = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
+                          + [jnp.zeros((unit,), wire)]).reshape(-1, unit)
+  send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)  # (g, r, chunk)
+  buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
+  # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
+  if g > 1:
+    buffer = _all_to_all(buffer, x_axes)
+  # 4. Matrices split over teams: each member's columns, NS with its team; each distinct
+  # team program is one switch branch, taken by all of the team's members.
+  worker = _index(x_axes) * replicas + rep
+  team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
+  reply = jnp.zeros_like(buffer)
+  if team_width:
+    team = _switch(jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
+                   [functools.partial(_team_program, ex, group, plan, ns, p)
+                    for p in ex.team_programs], buffer[:, :team_width])
+    reply = reply.at[:, :team_width].set(team)
+  # 5. Whole matrices, NS, pieces again: each distinct program is one switch branch. They
+  # follow the worker's team blocks.
+  if whole_width:
+    offset = jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
+    padded = jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
+    whole = jax.lax.dynamic_slice_in_dim(padded, offset, whole_width, axis=1)
+    whole = _switch(jnp.asarray(ex.program_of, np.int32)[worker],
+                    [functools.partial(_owner_program, ex, group, plan, ns, p)
+                     for p in ex.programs], whole)
+    if team_width:
+      reply = jax.lax.dynamic_update_slice_in_dim(
+          jnp.pad(reply, ((0, 0), (0, whole_width))), whole, offset, axis=1)
+      reply = reply[:, :buffer.shape[1]]
+    else:
+      reply = whole
+  buffer = reply
+  # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
+  # replicas' results are all-gathered.
+  if g > 1:
+    buffer = _all_to_all(buffer, x_axes)
+  if group.split:
+    buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
+  return buffer.reshape(-1, unit), index, unit
+
+
+def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
+                  stages: tuple[Exchange, ...], out: list) -> None:
+  """Orthogonalizes the matrices of an exchange (in ``stages``, one all-to-all each way
+  per stage); fills ``out``."""
+  ex = stages[0]
   # 1. Each bucket's local matrices, one piece each: (K, L).
   stacks = [jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i]) for i in b.members])
             for b in ex.buckets]
-  if workers == 1:  # the trivial plan: every matrix whole, here, in its program's order
+  if group.workers == 1:  # the trivial plan: every matrix whole, here, in its program's order
     order = [np.asarray(owned, np.int64) for owned in ex.owned[0]]
     results = _run_program(ex.programs[0], ex, group, plan, ns,
                            [_take_rows(s, o)[None] for s, o in zip(stacks, order)])
     rows = [_take_rows(r[0], np.argsort(o)) for r, o in zip(results, order)]
   else:
-    dtype = jnp.result_type(*(blocks[i].dtype for b in ex.buckets for i in b.members))
-    wire = jnp.dtype(plan.wire_dtype or dtype)
-    replicas = workers // g
-    rep = _index(group.replica_axes) if group.split else 0
-    index, unit = buffer_units(ex, plan, g)  # (workers, chunk // unit)
-    # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
-    # busiest worker's; replicas hold the same data, so each sends its own workers' only.
-    units = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
-                            + [jnp.zeros((unit,), wire)]).reshape(-1, unit)
-    send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)  # (g, r, chunk)
-    buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
-    # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
-    if g > 1:
-      buffer = _all_to_all(buffer, x_axes)
-    # 4. Matrices split over teams: each member's columns, NS with its team; each distinct
-    # team program is one switch branch, taken by all of the team's members.
-    worker = _index(x_axes) * replicas + rep
-    team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
-    reply = jnp.zeros_like(buffer)
-    if team_width:
-      team = _switch(jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
-                     [functools.partial(_team_program, ex, group, plan, ns, p)
-                      for p in ex.team_programs], buffer[:, :team_width])
-      reply = reply.at[:, :team_width].set(team)
-    # 5. Whole matrices, NS, pieces again: each distinct program is one switch branch. They
-    # follow the worker's team blocks.
-    if whole_width:
-      offset = jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
-      padded = jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
-      whole = jax.lax.dynamic_slice_in_dim(padded, offset, whole_width, axis=1)
-      whole = _switch(jnp.asarray(ex.program_of, np.int32)[worker],
-                      [functools.partial(_owner_program, ex, group, plan, ns, p)
-                       for p in ex.programs], whole)
-      if team_width:
-        reply = jax.lax.dynamic_update_slice_in_dim(
-            jnp.pad(reply, ((0, 0), (0, whole_width))), whole, offset, axis=1)
-        reply = reply[:, :buffer.shape[1]]
-      else:
-        reply = whole
-    buffer = reply
-    # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
-    # replicas' results are all-gathered.
-    if g > 1:
-      buffer = _all_to_all(buffer, x_axes)
-    if group.split:
-      buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
-    # 7. Every piece back to its place in the stacks: the inverse of step 2's gather.
-    valid = index < units.shape[0] - 1
-    inverse = np.empty(units.shape[0] - 1, np.int32)
-    inverse[index[valid]] = np.flatnonzero(valid)
-    pieces = buffer.reshape(-1, unit)[inverse].reshape(-1)
+    # 2.–6. per stage; stage s + 1's all-to-all depends only on the stacks, so the
+    # scheduler may run it beside stage s's NS.
+    done = [_run_stage(stacks, plan, ns, group, stage) for stage in stages]
+    unit = done[0][2]
+    # 7. Every piece back to its place in the stacks: the inverse of step 2's gathers.
+    size = sum(s.size for s in stacks) // unit
+    inverse = np.full(size, -1, np.int64)
+    offset = 0
+    for buffer, index, _ in done:
+      valid = index < size
+      inverse[index[valid]] = offset + np.flatnonzero(valid)
+      offset += buffer.shape[0]
+    assert (inverse >= 0).all(), "every matrix is orthogonalized in some stage"
+    results = done[0][0] if len(done) == 1 else jnp.concatenate([d[0] for d in done])
+    pieces = results[inverse.astype(np.int32)].reshape(-1)
     starts = np.cumsum([0] + [s.size for s in stacks])
     rows = [pieces[a:b].reshape(s.shape) for s, a, b in zip(stacks, starts[:-1], starts[1:])]
   # 8. The leaves' local blocks.
@@ -345,8 +369,8 @@ def _orthogonalize_local(blocks: list[jax.Array], plan: Plan, ns: NSFunction,
   """
   out: list[jax.Array | None] = [None] * len(blocks)
   for group in groups:
-    for ex in group.exchanges:
-      _run_exchange(blocks, plan, ns, group, ex, out)
+    for stages in costs.exchange_stages(group.exchanges):
+      _run_exchange(blocks, plan, ns, group, stages, out)
   return out
 
 

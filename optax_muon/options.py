@@ -133,6 +133,13 @@ class ShardingOptions:
       their ``device_kind`` (a topology's too, for ahead-of-time compilation; an abstract
       mesh has none, then ``jax.devices()``'s), at the NS compute dtype's rate (see
       ``optax_muon.PROFILES``).
+    exchange_stages: split each exchange (without teams) by matrix into this many stages,
+      so that a stage's all-to-alls move while another stage is orthogonalized (at most
+      as many as the busiest owner has matrices); ``None``: as many as shorten the cost
+      model's modelled time (one on XLA:CPU, whose collectives cannot overlap compute).
+      TPUs need asynchronous all-to-alls for the overlap (``LIBTPU_INIT_ARGS=
+      --xla_tpu_enable_async_all_to_all=true``), GPUs the latency-hiding scheduler
+      (``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``).
 
   Examples:
     >>> import optax_muon
@@ -144,9 +151,15 @@ class ShardingOptions:
   wire_dtype: Any = None
   exchange: str = "combined"
   cost_model: CostModel | None = None
+  exchange_stages: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "wire_dtype", _dtype_or_none(self.wire_dtype))
+    stages = self.exchange_stages
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                               or stages < 1):
+      raise ValueError(f"ShardingOptions.exchange_stages must be a positive int or None, got "
+                       f"{stages!r}.")
     if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
       raise ValueError(f"ShardingOptions.cost_model must be an optax_muon.CostModel or None, "
                        f"got {self.cost_model!r}.")

@@ -31,6 +31,7 @@ from optax_muon.layout import MatrixLayout, is_dimension_numbers, make_layout
 from optax_muon.options import NorMuon, NSOptions, Routing, ShardingOptions
 from optax_muon.plan.build import build_plan
 from optax_muon.plan.model import Plan
+from optax_muon.plan.stages import choose_stages
 from optax_muon.routing import MUON, Reason, Route, decide, degenerate_notice
 from optax_muon.sharding import (LeafSharding, inside_shard_map, is_sharding_value,
                                  leaf_sharding, resolve_param_shardings, typed_sharding,
@@ -190,8 +191,9 @@ class TreeSpec:
     cost = functools.partial(costs.matrix_flops, self.ns, steps=self.options.ns_steps)
     team_cost = functools.partial(costs.team_cost, self.ns, steps=self.options.ns_steps)
     sharding = dataclasses.replace(self.options.sharding, cost_model=self.cost_model)
-    return build_plan([l.layout for l in muon], [l.sharding for l in muon], cost, sharding,
+    plan = build_plan([l.layout for l in muon], [l.sharding for l in muon], cost, sharding,
                       stack=self.options.ns.stack_same_shape, team_cost=team_cost)
+    return choose_stages(plan, self.cost_model, sharding.exchange_stages)
 
   @functools.cached_property
   def mesh(self) -> Any:
