@@ -66,23 +66,27 @@ def collectives(plan) -> int:
   return max(counts.values(), default=0)
 
 
-def _average(plan) -> float:
+def average(plan) -> float:
+  """Σc/N: the NS FLOPs of every matrix, whole, over the devices."""
   return sum(p.layout.batch * p.flops for p in plan.leaves) / plan.device_count
 
 
-def _gpt():
+def gpt_case():
+  """GPT-like, 3 layers, d=256, vocab 1024, FSDP over 64 devices."""
   params = gpt_tree(256, 3, vocab=1024)
   return abstract_case(params, muon_dims(params, adam=sharding.ADAM), (64,), ("fsdp",),
                        lambda p: sharding.fsdp_specs(p, "fsdp"))
 
 
-def _llama():
+def llama_case():
+  """Llama-like (GQA 8/2 heads, SwiGLU ffn 704), 2 layers, d=256, FSDP over 64 devices."""
   params = llama_tree(256, 2, heads=8, kv_heads=2, ffn=704)
   return abstract_case(params, stacked_dims(params, adam=sharding.ADAM), (64,), ("fsdp",),
                        lambda p: sharding.fsdp_specs(p, "fsdp"))
 
 
-def _moe():
+def moe_case():
+  """MoE, 4 layers, 8 SwiGLU experts (ffn = d), d=256, expert 4 × fsdp 8; and its bounds."""
   params = moe_tree(256, 4, heads=8, kv_heads=2, experts=8, expert_ffn=256)
   dims = stacked_dims(params, adam=sharding.ADAM)
   case = abstract_case(params, dims, (4, 8), ("expert", "fsdp"),
@@ -94,24 +98,25 @@ def rows() -> list[dict]:
   """The table's rows."""
   out = []
   methods = {"auto (default)": om.NSOptions(), "standard": om.NSOptions(method="standard")}
-  for tree, case in (("GPT 3L d256 N64", _gpt()), ("Llama GQA+SwiGLU 2L d256 N64", _llama())):
+  for tree, case in (("GPT 3L d256 N64", gpt_case()),
+                     ("Llama GQA+SwiGLU 2L d256 N64", llama_case())):
     for method, ns in methods.items():
       start = time.perf_counter()
       whole, plan, _, _ = sharding.abstract_plans(*case, ns, FREE)
       out.append({"row": f"{tree}, free", "NS": method,
                   "figure": "busiest FLOPs / Σc/N", "value": plan.critical_ns_flops()
-                  / _average(plan), "floor": 1.3,
-                  "whole-matrix plan": whole.critical_ns_flops() / _average(plan),
+                  / average(plan), "floor": 1.3,
+                  "whole-matrix plan": whole.critical_ns_flops() / average(plan),
                   "collectives": collectives(plan), "plan s": time.perf_counter() - start})
   for method, ns in methods.items():
     start = time.perf_counter()
-    whole, plan, _, _ = sharding.abstract_plans(*_gpt(), ns, PROHIBITIVE)
+    whole, plan, _, _ = sharding.abstract_plans(*gpt_case(), ns, PROHIBITIVE)
     out.append({"row": "GPT 3L d256 N64, prohibitive", "NS": method,
                 "figure": "busiest FLOPs / whole plan's",
                 "value": plan.critical_ns_flops() / whole.critical_ns_flops(), "floor": 1.0,
                 "whole-matrix plan": "same" if plan.groups == whole.groups else "differs",
                 "collectives": collectives(plan), "plan s": time.perf_counter() - start})
-  (case, bound) = _moe()
+  (case, bound) = moe_case()
   for method, ns in methods.items():
     start = time.perf_counter()
     _, plan, _, _ = sharding.abstract_plans(*case, ns, om.PROFILES["cpu"])

@@ -67,9 +67,10 @@ def _placement(plan: Plan, index: int, team_run) -> str:
   head = (f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
           f"{_plural(bucket.matrices, 'matrix', 'matrices')}, ")
   if team_run is not None:
-    ex, _ = team_run
+    ex, run = team_run
     return head + (f"split over teams of {ex.team_size} ({len(ex.teams)} teams among "
-                   f"{group.workers} workers)")
+                   f"{group.workers} workers; {'Gram' if run.cost.gram else 'standard'} "
+                   f"iteration, every product split)")
   counts = sorted({len(owned[k]) for owned in ex.owned})
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
   return head + f"{spread} whole per worker of {group.workers}"

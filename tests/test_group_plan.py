@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import hlo_cost
 import optax_muon as om
+import planner
 import sharding
 import test_sharded as base
 from helpers import rel_err
@@ -154,6 +155,7 @@ def test_summary_shows_team_sizes_and_modelled_time():
   rows = [r for r in summary.rows if r.optimizer == "muon"]
   split = [r for r in rows if r.team > 1]
   assert split and all(f"teams of {r.team}" in r.placement for r in split)
+  assert all("standard iteration, every product split" in r.placement for r in split)
   for r in rows:  # free communication: a matrix's time is its FLOPs per member
     flops = base.STANDARD.flops(*r.ns_matrix, jnp.float32, 5, team=r.team)
     assert r.ns_seconds == pytest.approx(flops / FREE.flops_per_second)
@@ -220,10 +222,32 @@ def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
   base._compare(got, expected)
 
 
-def test_moe_plan_bytes_near_the_bound():
+@pytest.mark.parametrize("method", ["auto", "standard"])
+@pytest.mark.parametrize("case", ["gpt", "llama"])
+def test_free_communication_reaches_the_average_on_64_devices(case, method):
+  """GPT-like (3 layers, d=256) and Llama-like (GQA 4:1, SwiGLU; 2 layers, d=256) on 64
+  devices with free communication, either NS method: the busiest device within 1.3× Σc/N
+  (whole matrices: 5.3–8.1×). Plans; ``test_planner_property`` compiles such trees."""
+  whole, plan, _, _ = sharding.abstract_plans(
+      *getattr(planner, f"{case}_case")(), om.NSOptions(method=method), FREE)
+  assert whole.critical_ns_flops() > 5 * planner.average(plan)
+  assert plan.critical_ns_flops() <= 1.3 * planner.average(plan)
+
+
+@pytest.mark.parametrize("method", ["auto", "standard"])
+def test_prohibitive_communication_on_64_devices_is_the_whole_matrix_plan(method):
+  """The GPT-like tree on 64 devices at one byte per second and a second per collective:
+  the whole-matrix plan, two all-to-alls."""
+  whole, plan, _, _ = sharding.abstract_plans(*planner.gpt_case(),
+                                              om.NSOptions(method=method), PROHIBITIVE)
+  assert plan.groups == whole.groups and planner.collectives(plan) == 2
+
+
+@pytest.mark.parametrize("method", ["auto", "standard"])
+def test_moe_plan_bytes_near_the_bound(method):
   """MoE, 4 layers, 8 experts on expert 4 × fsdp 8 (32 devices), d = 256, planned from
-  abstract shapes: FLOPs at plain LPT's level and the busiest device's received bytes within
-  1.45× the byte bound."""
+  abstract shapes under the CPU profile, either NS method: FLOPs at plain LPT's level and
+  the busiest device's received bytes within 1.45× the byte bound (1.12×)."""
   params = moe_tree(256, 4, heads=8, kv_heads=2, experts=8, expert_ffn=256)
   dims = stacked_dims(params, adam=sharding.ADAM)
   leaves, flat_dims = sharding._flat(params), sharding._flat(dims)
@@ -232,7 +256,7 @@ def test_moe_plan_bytes_near_the_bound():
   specs = sharding._flat(sharding.moe_specs(params, "expert", "fsdp"))
   plan, _, _, _ = sharding.abstract_plans(
       muon, {k: specs[k] for k in muon}, {k: flat_dims[k] for k in muon}, (4, 8),
-      ("expert", "fsdp"), base.STANDARD, om.PROFILES["cpu"])
+      ("expert", "fsdp"), om.NSOptions(method=method), om.PROFILES["cpu"])
   bound = sharding.bounds(params, dims, 32)
   assert plan.critical_ns_flops() == sharding.lpt_plan(plan).critical_ns_flops()
   assert plan.device_received_bytes().max() <= 1.45 * bound["bytes"]
