@@ -21,6 +21,7 @@ Rows (f32, FSDP; Jordan, 5 NS steps):
 
 from __future__ import annotations
 
+import argparse
 import math
 import pathlib
 import sys
@@ -135,7 +136,8 @@ COLUMNS = ["row", "NS", "figure", "value", "floor", "whole-matrix plan", "collec
 FORMATS = {"value": "{:.3f}", "plan s": "{:.2f}", "whole-matrix plan": "{}"}
 
 
-def main():
+def main(argv=None):
+  argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
   found = rows()
   for r in found:
     if isinstance(r["whole-matrix plan"], float):

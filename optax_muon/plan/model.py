@@ -31,10 +31,12 @@ Where devices outnumber matrices, one matrix's NS can be shared by a team of k w
 Gram matrix is all-reduced within the team every step, and every NS FLOP is divided by k.
 The teams of an exchange are the blocks of k consecutive workers; a team's work is a
 ``lax.switch`` branch all of its members take, so teams and whole-matrix owners coexist.
-Which kinds of matrices go to teams, and k, come from a ``CostModel``: the critical path
-of the whole tree (the busiest device's NS FLOPs, its team collectives and its
-all-to-alls) is modelled for every candidate, and whole matrices stay unless splitting
-shortens it (see ``optax_muon.plan.teams``).
+Which kinds of matrices go to teams, and each kind's k, come from a ``CostModel``: the
+critical path of the whole tree (the busiest device's NS FLOPs, its team collectives and
+its all-to-alls) is modelled for every candidate, and whole matrices stay unless splitting
+shortens it (see ``optax_muon.plan.teams``). An exchange's teams have one size; kinds
+given different sizes travel in separate exchanges of the group, each with the buckets'
+matrices of its kinds.
 """
 
 from __future__ import annotations
