@@ -79,6 +79,11 @@ def main() -> None:
                            for l, t in products),
         "bf16_operands": sum(t == ("bf16", "bf16") for _, t in products),
         "loop_collectives": sorted(c.kind for c in cost.collectives if c.in_loop),
+        # Per distinct team program, its runs' collectives in each NS loop step.
+        "plan_loop_collectives": sum(
+            r.cost.loop_collectives for g in plan.groups for ex in g.exchanges
+            for i in range(len(ex.team_programs))
+            for r in ex.teams[list(ex.team_program_of).index(i)]),
         "notes": list(summary.notes),
     }
   print("RESULT " + json.dumps(out))
