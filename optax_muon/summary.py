@@ -57,8 +57,8 @@ def _placement(plan: Plan, index: int, team_run) -> str:
   ``_team_run_of(plan, index)``."""
   group = next(g for g in plan.groups if any(index in b.members for b in g.buckets))
   bucket = next(b for b in group.buckets if index in b.members)
-  ex = next(e for e in group.exchanges if bucket in e.buckets)
-  k = ex.buckets.index(bucket)
+  stages = next(s for s in costs.exchange_stages(group.exchanges) if bucket in s[0].buckets)
+  k = stages[0].buckets.index(bucket)
   parts = [f"all-to-all over {'×'.join(group.exchange_axes)}" if group.exchange_size > 1
            else "local"]
   if group.replica_size > 1:
@@ -71,9 +71,11 @@ def _placement(plan: Plan, index: int, team_run) -> str:
     return head + (f"split over teams of {ex.team_size} ({len(ex.teams)} teams among "
                    f"{group.workers} workers; {'Gram' if run.cost.gram else 'standard'} "
                    f"iteration, every product split)")
-  counts = sorted({len(owned[k]) for owned in ex.owned})
+  counts = sorted({sum(len(ex.owned[w][k]) for ex in stages)
+                   for w in range(len(stages[0].owned))})
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
-  return head + f"{spread} whole per worker of {group.workers}"
+  staged = f", exchanged in {len(stages)} stages" if len(stages) > 1 else ""
+  return head + f"{spread} whole per worker of {group.workers}{staged}"
 
 
 def _team_run_of(plan: Plan, index: int):

@@ -113,3 +113,16 @@ def test_exchanges_with_teams_keep_one_stage():
 def test_bad_exchange_stages(stages):
   with pytest.raises(ValueError, match="exchange_stages must be a positive int or None"):
     om.ShardingOptions(exchange_stages=stages)
+
+
+def test_summary_counts_every_stage():
+  params = base.gpt_tree(32, 3)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                         base._fsdp_specs(params))
+  tx = om.muon(0.1, ns_options=base.STANDARD, sharding=om.ShardingOptions(exchange_stages=2))
+  rows = {r.path: r for r in om.summarize(sharded, tx).rows}
+  # The same owners as in one stage (see test_sharded's summary test), cut in two.
+  assert rows["blocks/0/q"].placement.endswith(
+      "12 matrices, 1–3 whole per worker of 8, exchanged in 2 stages")
+  assert "6 matrices, 0–1 whole per worker of 8" in rows["blocks/0/mlp_in"].placement
