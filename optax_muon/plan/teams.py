@@ -17,6 +17,12 @@ communication. Candidates are built in increasing order of a lower bound on thei
 time (the busiest device's share of its group's work, its slowest piece of work and its
 all-to-alls' latency) until the bound reaches the best one built; whole matrices stay unless
 teams shorten the modelled critical path by more than ``SPLIT_MARGIN``.
+
+With communication prohibitive the whole-matrix plan stays wherever a team's collectives
+(the standard iteration: 3 per step, (k − 1)/k·m² elements each) outweigh what the team
+takes off the busiest all-to-all chunk (at most 2·(k − 1)/k·m·n for an m × n matrix), that
+is unless some matrix on the busiest chunk is more than about 7.5 times as long as wide: then
+the model prefers, and the planner takes, the team.
 """
 
 from __future__ import annotations
