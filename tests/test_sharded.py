@@ -103,6 +103,17 @@ def _compare(updates, reference):
     assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path)
 
 
+def sharded_steps(tx, mesh, params, grads):
+  """(updates, state, compiled update) after one jitted step per gradient on ``mesh``."""
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(params)
+    update = jax.jit(tx.update)
+    for g in grads:
+      updates, state = update(g, state, params)
+    compiled = update.lower(grads[0], state, params).compile()
+  return updates, state, compiled
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize("case", list(CASES))
@@ -119,12 +130,7 @@ def test_sharded_equals_single_device(case, axis_type):
   explicit = axis_type == AxisType.Explicit
   tx = _muon(dims, policy, param_shardings=None if explicit else shardings)
   sharded_params = put(params)
-  with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(sharded_params)
-    update = jax.jit(tx.update)
-    for t in range(2):
-      updates, state = update(put(grads[t]), state, sharded_params)
-    compiled = update.lower(put(grads[0]), state, sharded_params).compile()
+  updates, state, compiled = sharded_steps(tx, mesh, sharded_params, [put(g) for g in grads])
   _compare(updates, reference)
 
   # Updates and momentum keep the params' shardings.

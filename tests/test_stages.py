@@ -54,12 +54,7 @@ def test_staged_exchange_equals_single_device(case, stages):
   one = om.muon(0.1, muon_weight_dimension_numbers=dims, ns_options=base.STANDARD,
                 sharding=om.ShardingOptions(replica_policy=policy, exchange_stages=1))
   sharded = put(params)
-  with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(sharded)
-    update = jax.jit(tx.update)
-    for t in range(2):
-      updates, state = update(put(grads[t]), state, sharded)
-    compiled = update.lower(put(grads[0]), state, sharded).compile()
+  updates, _, compiled = base.sharded_steps(tx, mesh, sharded, [put(g) for g in grads])
   base._compare(updates, reference)
 
   plan, whole = om.summarize(sharded, tx).plan, om.summarize(sharded, one).plan
@@ -78,6 +73,7 @@ def _seven_b(model, stages=None):
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
   params, dims, _, shardings = aot.llama_tree(mesh, **aot.TREES["7b"])
   tx = om.muon(0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings,
+               ns_options=om.NSOptions(compute_dtype=jnp.bfloat16),  # as on an accelerator
                sharding=om.ShardingOptions(cost_model=model, exchange_stages=stages))
   return om.summarize(params, tx).plan
 
@@ -86,14 +82,14 @@ def test_the_cost_model_chooses_the_stages():
   # XLA:CPU's profile cannot overlap; free or prohibitive communication gains nothing.
   for model in (om.PROFILES["cpu"], FREE, PROHIBITIVE):
     assert _stage_counts(_seven_b(model)) == [1], model
-  # An H100's NS (bf16) beside NVLink: split, the modelled time shorter than one stage's,
-  # the same FLOPs per device.
+  # An H100's NS in bfloat16 beside NVLink: split, the modelled time shorter than one
+  # stage's, the same FLOPs per device.
   h100 = om.PROFILES["h100"]
   staged, whole = _seven_b(h100), _seven_b(h100, stages=1)
   assert max(_stage_counts(staged)) > 1
   assert staged.critical_seconds() < whole.critical_seconds()
   np.testing.assert_array_equal(staged.device_ns_flops(), whole.device_ns_flops())
-  model = staged.cost_model  # at float32's rate: NS runs in float32 on this host's CPU
+  model = staged.cost_model
   ns, out, back = zip(*(costs._stage_seconds(staged, g, ex, model) for g in staged.groups
                         for ex in g.exchanges))
   assert staged.critical_seconds() == pytest.approx(costs.pipelined_seconds(ns, out, back))
