@@ -1,7 +1,8 @@
 """optax_muon: Muon (momentum orthogonalized by Newton–Schulz) for JAX and Optax.
 
 Building block: ``scale_by_muon`` (compose it in ``optax.chain``, with ``scale_by_shape``).
-Full optimizer: ``muon`` (Muon on matrices, AdamW on the rest). Both take every argument
+Full optimizer: ``muon`` (Muon on matrices, AdamW on the rest); ``dion`` and
+``scale_by_dion`` put Dion's low-rank direction in Newton–Schulz's place. Both take every argument
 of their ``optax.contrib`` namesakes; this package's own options come as the objects
 ``NSOptions``, ``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
 Newton–Schulz: ``newton_schulz`` with the coefficient presets in ``PRESET_NAMES`` or a
@@ -16,6 +17,7 @@ attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax, Equinox), yo
 from optax_muon.alias import muon
 from optax_muon.coefficients import (PRESET_NAMES, NSCoefficients, polar_express_coefficients,
                                      resolve_coefficients, singular_value_range)
+from optax_muon.dion_transform import DionState, dion, scale_by_dion
 from optax_muon.costs import PROFILES, CostModel, default_cost_model, ns_flops
 from optax_muon.layout import MuonDimensionNumbers
 from optax_muon.layouts import KNOWN_LAYOUTS, LOGICAL_AXIS_ROLES, LayoutRule
@@ -34,6 +36,7 @@ __version__ = "0.2.0"
 __all__ = [
     "CostModel",
     "DEFAULT_ADAM_PATTERN",
+    "DionState",
     "KNOWN_LAYOUTS",
     "LOGICAL_AXIS_ROLES",
     "LayoutRule",
@@ -56,6 +59,7 @@ __all__ = [
     "add_cautious_decayed_weights",
     "default_cost_model",
     "diagnostics",
+    "dion",
     "infer_dimension_numbers",
     "msign",
     "muon",
@@ -65,6 +69,7 @@ __all__ = [
     "qk_clip",
     "resolve_coefficients",
     "route",
+    "scale_by_dion",
     "scale_by_muon",
     "scale_by_shape",
     "scale_factor",

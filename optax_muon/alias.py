@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -201,16 +202,10 @@ def muon(
   """
   coefficients = resolve_muon_arguments(ns_coeffs, ns_steps, beta, eps, momentum,
                                         preconditioning)
-  check_number("learning_rate", learning_rate, 0.0)
-  check_number("adam_learning_rate", adam_learning_rate, 0.0)
-  check_number("adam_b1", adam_b1, 0.0, 1.0)
-  check_number("adam_b2", adam_b2, 0.0, 1.0)
-  check_number("weight_decay", weight_decay, 0.0)
-  check_number("adam_weight_decay", adam_weight_decay, 0.0)
-  check_shape_scale(scale, consistent_rms)
-  if consistent_rms is not None and scale == "spectral":
-    raise ValueError("consistent_rms replaces the shape scale; pass it or "
-                     "scale='spectral', not both.")
+  check_alias_arguments(learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
+                        adam_b1=adam_b1, adam_b2=adam_b2, weight_decay=weight_decay,
+                        adam_weight_decay=adam_weight_decay, scale=scale,
+                        consistent_rms=consistent_rms)
   options = MuonOptions(
       coefficients.steps, check_option("ns_options", ns_options, NSOptions, NSOptions()),
       tree_utils.freeze_prefix(muon_weight_dimension_numbers, is_value=is_dimension_numbers,
@@ -223,35 +218,109 @@ def muon(
       check_option("qk_clip", qk_clip, QKClip))
   direction = muon_direction(options, MuonHyperparams(
       coefficients, preconditioning, beta, momentum, nesterov, mu_dtype, adaptive))
+  return matrices_and_adam(
+      direction, options, learning_rate=learning_rate, consistent_rms=consistent_rms,
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+      adam=AdamBranch(adam_learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
+                      adam_weight_decay, adam_weight_decay_mask, mu_dtype, nesterov),
+      keep=MuonState)
+
+
+def check_alias_arguments(*, learning_rate: Any, adam_learning_rate: Any, adam_b1: Any,
+                          adam_b2: Any, weight_decay: Any, adam_weight_decay: Any,
+                          scale: str | None, consistent_rms: Any) -> None:
+  """Checks the arguments ``muon`` and ``dion`` share.
+
+  Raises:
+    ValueError: naming the argument.
+  """
+  check_number("learning_rate", learning_rate, 0.0)
+  check_number("adam_learning_rate", adam_learning_rate, 0.0)
+  check_number("adam_b1", adam_b1, 0.0, 1.0)
+  check_number("adam_b2", adam_b2, 0.0, 1.0)
+  check_number("weight_decay", weight_decay, 0.0)
+  check_number("adam_weight_decay", adam_weight_decay, 0.0)
+  check_shape_scale(scale, consistent_rms)
+  if consistent_rms is not None and scale == "spectral":
+    raise ValueError("consistent_rms replaces the shape scale; pass it or "
+                     "scale='spectral', not both.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamBranch:
+  """The AdamW (NAdamW) optimizer of the leaves that are not matrices.
+
+  Attributes:
+    learning_rate: its learning rate; None takes the matrices'.
+    b1, b2, eps_root: its moments' decays and the root's epsilon.
+    eps: its epsilon; None is ``ADAM_EPS``.
+    weight_decay, weight_decay_mask: its decoupled weight decay and which leaves it decays.
+    mu_dtype: its first moment's dtype, or None.
+    nesterov: NAdamW rather than AdamW.
+  """
+
+  learning_rate: Any = None
+  b1: Any = 0.9
+  b2: Any = 0.999
+  eps: float | None = None
+  eps_root: Any = 0.0
+  weight_decay: Any = 0.0
+  weight_decay_mask: Any = None
+  mu_dtype: Any = None
+  nesterov: bool = True
+
+
+def matrices_and_adam(direction: optax.GradientTransformation, options: MuonOptions, *,
+                      learning_rate: optax.ScalarOrSchedule, consistent_rms: Any,
+                      weight_decay: Any, weight_decay_mask: Any, adam: AdamBranch,
+                      keep: type) -> optax.GradientTransformationExtraArgs:
+  """The full optimizer around a matrix direction: routed by ``options``, the direction
+  then the shape factor, the weight decay and the learning rate on the matrices, ``adam``
+  on the rest, QK-clip last.
+
+  Args:
+    direction: the matrices' direction (``muon_direction`` or Dion's).
+    options: the static options (routing, shapes, shardings, scale, decay kind, QK-clip).
+    learning_rate: the matrices' learning rate.
+    consistent_rms: the RMS-matching factor, or None (may be an injected array).
+    weight_decay, weight_decay_mask: the matrices' decoupled weight decay.
+    adam: the other leaves' optimizer.
+    keep: the direction's state type (placed by the direction itself).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+  """
   # The decay stage is always there (even for λ = 0) so that the state's structure does
   # not depend on whether λ is a Python number or traced (optax.inject_hyperparams).
-  decay = add_cautious_decayed_weights if cautious_weight_decay else optax.add_decayed_weights
+  decay = (add_cautious_decayed_weights if options.cautious_weight_decay
+           else optax.add_decayed_weights)
   muon_chain = optax.chain(
       followed_by_stateless(direction, shape_scaling(branch_options(options), consistent_rms,
-                                                     scale)),
+                                                     options.scale)),
       decay(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate))
   # optax.adamw's own chain, with the decay stage chosen above.
   adam_chain = with_float32_moments(optax.chain(
-      optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=ADAM_EPS if eps is None else eps,
-                          eps_root=adam_eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
-      decay(adam_weight_decay, adam_weight_decay_mask),
+      optax.scale_by_adam(b1=adam.b1, b2=adam.b2, eps=ADAM_EPS if adam.eps is None else adam.eps,
+                          eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
+                          nesterov=adam.nesterov),
+      decay(adam.weight_decay, adam.weight_decay_mask),
       optax.scale_by_learning_rate(
-          learning_rate if adam_learning_rate is None else adam_learning_rate)))
+          learning_rate if adam.learning_rate is None else adam.learning_rate)))
   tx = optax.partition({MUON: muon_chain, ADAM: adam_chain},
                        lambda params: tree_spec(params, options).labels(params))
-  if qk_clip is not None:
-    tx = followed_by_stateless(tx, qk_clip.transformation())
-  return _checked_and_placed(tx, options)
+  if options.qk_clip is not None:
+    tx = followed_by_stateless(tx, options.qk_clip.transformation())
+  return _checked_and_placed(tx, options, keep)
 
 
-def _checked_and_placed(tx: optax.GradientTransformation, options: MuonOptions
+def _checked_and_placed(tx: optax.GradientTransformation, options: MuonOptions, keep: type
                         ) -> optax.GradientTransformationExtraArgs:
   """``tx`` whose ``init`` warns (once) about what the routing did that the user may not
   expect and puts AdamW's moments where their params live, and whose ``update`` names the
   leaf whose gradient does not fit its param.
 
-  Muon's state is made in place; AdamW's would be replicated by ``jax.jit(tx.init)`` on an
+  The direction's state (of type ``keep``) is made in place; AdamW's would be replicated by ``jax.jit(tx.init)`` on an
   Auto mesh.
   """
   tx = optax.with_extra_args_support(tx)
@@ -264,7 +333,7 @@ def _checked_and_placed(tx: optax.GradientTransformation, options: MuonOptions
     if options.param_shardings is None or inside_shard_map():
       return state
     return place_like_params(state, params, [None if leaf is None else leaf.sharding
-                                             for leaf in spec.leaves], keep=MuonState)
+                                             for leaf in spec.leaves], keep=keep)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:

@@ -1,0 +1,266 @@
+"""Dion: converges to Muon's direction at full rank, finite on degenerate gradients, routed
+like ``muon``, and on 8 virtual devices equal to the single-device update with only small
+collectives in the compiled program."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import hlo_cost
+import optax_muon as om
+from helpers import matrix_with_spectrum, rel_err, singular_values
+from optax_muon.dion_step import rank_of
+from optax_muon.layout import make_layout
+from trees import gpt_tree, muon_dims, random_like
+
+DN = om.MuonDimensionNumbers
+MATRICES = ("q", "k", "v", "o", "mlp_in", "mlp_out")
+
+
+def _run(tx, params, grads, steps=None):
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for t in range(steps or len(grads)):
+    updates, state = update(grads[t % len(grads)], state, params)
+  return updates, state
+
+
+def _dion_state(state):
+  return state.inner_states["muon"].inner_state[0]
+
+
+# ---------------------------------------------------------------------------- the algorithm
+
+def test_full_rank_converges_to_svd_polar_factor():
+  """Fed one gradient (distinct singular values 0.8ᵏ) for 50 steps at rank fraction 1, the
+  direction is U·Vᵀ of a float64 SVD to 1e-3, its singular values within 1e-3 of 1: tall,
+  wide and stacked (3 matrices along a batch axis) leaves, float32."""
+  rng = np.random.default_rng(0)
+  spectrum = lambda k: 0.8 ** np.arange(k)
+  params = {"tall": np.zeros((24, 16)), "wide": np.zeros((16, 40)),
+            "stack": np.zeros((3, 12, 20))}
+  grads = {"tall": matrix_with_spectrum(rng, 24, 16, spectrum(16)),
+           "wide": matrix_with_spectrum(rng, 16, 40, spectrum(16)),
+           "stack": np.stack([matrix_with_spectrum(rng, 12, 20, spectrum(12))
+                              for _ in range(3)])}
+  tx = om.scale_by_dion(1.0, weight_dimension_numbers={"tall": None, "wide": None,
+                                                       "stack": DN(1, 2)})
+  f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+  updates, _ = _run(tx, f32(params), [f32(grads)], steps=50)
+  for name, g in grads.items():
+    u, _, vt = np.linalg.svd(g, full_matrices=False)
+    polar = u @ vt
+    out = np.asarray(updates[name], np.float64)
+    assert np.max(np.abs(out - polar)) < 1e-3, name
+    s = singular_values(out)
+    assert np.all(np.abs(s - 1) < 1e-3), (name, s.min(), s.max())
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("kind", ["zeros", "one_row", "rank_2"])
+def test_degenerate_gradients_give_finite_updates(kind, fraction):
+  """Gradients of rank below r (all zeros, one nonzero row, rank 2 with r ≥ 8) give finite
+  updates and state, Q keeps unit columns, and a zero gradient gives a zero update."""
+  rng = np.random.default_rng(1)
+  m, n = 32, 16
+  g = np.zeros((m, n))
+  if kind == "one_row":
+    g[5] = rng.standard_normal(n)
+  elif kind == "rank_2":
+    g = rng.standard_normal((m, 2)) @ rng.standard_normal((2, n))
+  tx = om.scale_by_dion(fraction)
+  updates, state = _run(tx, {"w": jnp.zeros((m, n))}, [{"w": jnp.asarray(g, jnp.float32)}],
+                        steps=4)
+  for x in jax.tree.leaves((updates, state)):
+    assert np.all(np.isfinite(x)), kind
+  q = np.asarray(state.q["w"], np.float64)
+  np.testing.assert_allclose(np.linalg.norm(q, axis=0), 1.0, atol=1e-5)
+  if kind == "zeros":
+    assert not np.any(updates["w"])
+  else:
+    assert np.max(np.abs(updates["w"])) > 0
+
+
+def test_rank_and_state():
+  """Ranks: ceil(fraction · min(m, n)); Q is (batch…, n, r) on the long side; state in
+  float32 for bfloat16 params; per-leaf fractions as a tree or a callable."""
+  params = {"a": jnp.zeros((64, 16), jnp.bfloat16), "b": jnp.zeros((4, 8, 48)),
+            "c": jnp.zeros((10, 30))}
+  dims = {"a": None, "b": DN(1, 2), "c": None}
+  fractions = {"a": 0.25, "b": 1.0, "c": 1 / 3}
+  for fraction in (fractions, lambda p: fractions):
+    state = om.scale_by_dion(fraction, weight_dimension_numbers=dims).init(params)
+    assert state.q["a"].shape == (64, 4) and state.q["a"].dtype == jnp.float32
+    assert state.momentum["a"].dtype == jnp.float32
+    assert state.q["b"].shape == (4, 48, 8)
+    assert state.q["c"].shape == (30, 4)  # ceil(10 / 3)
+  layout = make_layout("w", jax.ShapeDtypeStruct((100, 7), jnp.float32), None)
+  assert [rank_of(f, layout) for f in (1e-3, 0.5, 1.0)] == [1, 4, 7]
+
+
+def test_bad_inputs():
+  with pytest.raises(ValueError, match="rank_fraction"):
+    om.scale_by_dion(0.0)
+  with pytest.raises(ValueError, match="rank_fraction"):
+    om.dion(0.1, rank_fraction=1.5)
+  with pytest.raises(ValueError, match="beta"):
+    om.dion(0.1, beta=1.0)
+  params = {"blocks": {"w": jnp.zeros((8, 8)), "v": jnp.zeros((8, 8))}}
+  with pytest.raises(ValueError, match="blocks/v: rank_fraction"):
+    om.scale_by_dion({"blocks": {"w": 0.5, "v": 2.0}}).init(params)
+  complex_params = {"blocks": {"w": jnp.zeros((8, 8)), "z": jnp.zeros((8, 8), jnp.complex64)}}
+  with pytest.raises(ValueError, match="blocks/z: Dion takes real matrices"):
+    om.scale_by_dion().init(complex_params)
+  with pytest.raises(ValueError, match="blocks/z: Dion takes real matrices"):
+    om.dion(0.1, routing=om.Routing(labels={"blocks": {"w": "muon", "z": "muon"}})).init(
+        complex_params)
+
+
+def _by_path(tree):
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): x
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_dion_is_muon_with_another_direction():
+  """``dion`` routes like ``muon`` (AdamW leaves updated identically) and its matrix
+  updates are −η·(scale(n_in, n_out)·``scale_by_dion``'s direction + λ·W)."""
+  params = gpt_tree(16, 1)
+  grads = [random_like(params, s) for s in (1, 2)]
+  kw = dict(weight_decay=0.1, adam_learning_rate=3e-3, adam_weight_decay=0.01)
+  dion_updates, _ = _run(om.dion(0.02, rank_fraction=0.5, **kw), params, grads)
+  muon_updates, _ = _run(om.muon(0.02, **kw), params, grads)
+  block = lambda tree: {k: tree["blocks"]["0"][k] for k in MATRICES}
+  expected, _ = _run(om.scale_by_dion(0.5), block(params), [block(g) for g in grads])
+  got, muon_got = _by_path(dion_updates), _by_path(muon_updates)
+  for path, u in got.items():
+    name = path.split("/")[-1]
+    if path.startswith("blocks/0/") and name in MATRICES:
+      w = params["blocks"]["0"][name]
+      want = -0.02 * (om.scale_factor(*w.shape, "jordan") * expected[name] + 0.1 * w)
+      assert rel_err(u, want) < 1e-5, path
+    else:
+      np.testing.assert_array_equal(u, muon_got[path], err_msg=path)
+
+
+# ------------------------------------------------------------------------------- sharded
+
+D, LAYERS = 32, 2
+
+
+def _fsdp_specs(params):
+  return jax.tree.map(lambda x: P("fsdp") if x.shape[0] % 8 == 0 else P(), params)
+
+
+def _megatron_specs(params):
+  """FSDP × TP: column-parallel (q, k, v, mlp_in) P(fsdp, tp), row-parallel P(tp, fsdp)."""
+  def spec(path, x):
+    if x.ndim == 1:
+      return P()
+    return P("tp", "fsdp") if path[-1].key in ("o", "mlp_out") else P("fsdp", "tp")
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _stacked_specs(params):
+  """Stacked layers split over fsdp along the layer axis, the rest replicated."""
+  return jax.tree.map(lambda x: P("fsdp") if x.ndim == 3 else P(), params)
+
+
+CASES = {
+    # name: (mesh shape, axis names, stacked tree, specs)
+    "fsdp8": ((8,), ("fsdp",), False, _fsdp_specs),
+    "fsdp4xtp2": ((4, 2), ("fsdp", "tp"), False, _megatron_specs),
+    "fsdp8-stacked-layer-axis": ((8,), ("fsdp",), True, _stacked_specs),
+}
+
+
+def _sharded_run(case, axis_type, fraction, steps=2, compile_update=False):
+  """(updates, state, compiled update or None, sharded params, shardings) for ``case``,
+  and the single-device updates."""
+  shape, names, stacked, specs_fn = CASES[case]
+  params = gpt_tree(D, 8 if stacked else LAYERS, stacked=stacked)
+  dims = muon_dims(params, adam=("embed", "lm_head")) if stacked else None
+  grads = [random_like(params, 10 + t) for t in range(steps)]
+  reference, _ = _run(om.dion(0.1, rank_fraction=fraction,
+                              muon_weight_dimension_numbers=dims), params, grads)
+  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  explicit = axis_type == AxisType.Explicit
+  tx = om.dion(0.1, rank_fraction=fraction, muon_weight_dimension_numbers=dims,
+               param_shardings=None if explicit else shardings)
+  sharded_params = put(params)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded_params)
+    update = jax.jit(tx.update)
+    for t in range(steps):
+      updates, state = update(put(grads[t]), state, sharded_params)
+    compiled = (update.lower(put(grads[0]), state, sharded_params).compile()
+                if compile_update else None)
+  return updates, state, compiled, sharded_params, shardings, reference
+
+
+@pytest.mark.parametrize("case,axis_type", [
+    ("fsdp8", AxisType.Explicit),
+    pytest.param("fsdp4xtp2", AxisType.Explicit, marks=pytest.mark.slow),
+    ("fsdp8", AxisType.Auto),
+    pytest.param("fsdp4xtp2", AxisType.Auto, marks=pytest.mark.slow),
+    pytest.param("fsdp8-stacked-layer-axis", AxisType.Explicit, marks=pytest.mark.slow),
+])
+def test_sharded_equals_single_device(case, axis_type):
+  """``dion`` on a GPT-like tree: equal to one device (1e-5, f32), updates and the buffer
+  B sharded like the params, Q like the param's long side (replicated elsewhere)."""
+  updates, state, _, params, shardings, reference = _sharded_run(case, axis_type, 0.5)
+  got, want = _by_path(updates), _by_path(reference)
+  for path, u in got.items():
+    assert rel_err(u, want[path]) < 1e-5, path
+  placed = _by_path(shardings)
+  for path, u in got.items():
+    assert u.sharding.is_equivalent_to(placed[path], u.ndim), path
+  dion_state = _dion_state(state)
+  buffers, factors = _by_path(dion_state.momentum), _by_path(dion_state.q)
+  shapes = {path: x.shape for path, x in _by_path(params).items()}
+  assert set(factors) == {p for p in shapes if p.split("/")[-1] in MATRICES}
+  for path, q in factors.items():
+    assert buffers[path].sharding.is_equivalent_to(placed[path], len(shapes[path])), path
+    # Q: (batch…, long side, r): the param's batch and long-side axes, r unsharded.
+    shape = shapes[path]
+    long_axis = len(shape) - 2 if shape[-2] > shape[-1] else len(shape) - 1
+    entries = tuple(placed[path].spec) + (None,) * len(shape)
+    want_q = P(*entries[:len(shape) - 2], entries[long_axis], None)
+    assert q.sharding.is_equivalent_to(NamedSharding(placed[path].mesh, want_q), q.ndim), (
+        path, want_q)
+
+
+def _algorithm_bytes(params, fraction, itemsize=4):
+  """Σ over the matrices of (m + n)·r·itemsize, and the largest (m + n)·r."""
+  total, largest = 0, 0
+  for x in jax.tree.leaves(params):
+    if x.ndim != 2 or x.shape in ((256, D), (D, 256)):  # embedding and head: AdamW
+      continue
+    layout = make_layout("w", x, None)
+    elements = (layout.n_in + layout.n_out) * rank_of(fraction, layout)
+    total, largest = total + elements * itemsize, max(largest, elements)
+  return total, largest
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_compiled_collectives_are_small(fraction):
+  """The compiled FSDP-8 update (Explicit mesh) has no all-to-all, no all-gather of more
+  than max (m + n)·r elements, and receives per device at most 1.5 × Σ (m + n)·r·4 bytes
+  (Σ over the Muon matrices, r = ceil(fraction · min(m, n)); ring model of
+  ``benchmarks/hlo_cost.py``: all-reduce 2·B·(g−1)/g)."""
+  _, _, compiled, params, _, _ = _sharded_run("fsdp8", AxisType.Explicit, fraction, steps=1,
+                                              compile_update=True)
+  cost = hlo_cost.analyze(compiled, 8)
+  bound, largest = _algorithm_bytes(params, fraction)
+  kinds = {c.kind for c in cost.collectives}
+  assert "all-to-all" not in kinds
+  gathers = [c.output_bytes // 4 for c in cost.collectives if c.kind == "all-gather"]
+  assert all(g <= largest for g in gathers), gathers
+  assert cost.received_bytes <= 1.5 * bound, (cost.received_bytes, bound)
+  assert cost.collectives_in_loops == 0
