@@ -10,8 +10,8 @@ is an ``einsum`` over those axes. With r the rank, per matrix::
   P ← orthonormalize(P)                    (randomized Cholesky-QR)
   R = Mᵀ·P                                 (cols × r: sharded like the columns)
   B ← M − (1 − μ)·P·Rᵀ                     (error feedback)
-  Q ← R with unit columns                  (a zero column keeps its old Q)
-  direction = P·Qᵀ
+  Q ← R with unit columns                  (the state keeps the old Q for zero columns)
+  direction = P·Qᵀ                         (zero columns of R contribute nothing)
 
 Each product's output sharding is stated (``out_sharding`` on Explicit meshes, a sharding
 constraint on Auto meshes), so the partitioner contracts local blocks and sums the small
@@ -104,6 +104,11 @@ class DionMatrix:
   @property
   def o(self) -> str:
     return _COLS[:self.cols]
+
+  @property
+  def m(self) -> int:
+    """Rows per matrix."""
+    return math.prod(self.view[self.batch:self.batch + self.rows])
 
   @property
   def row_dims(self) -> tuple[int, ...]:
@@ -215,9 +220,10 @@ def _cholesky_inverse(gram: jax.Array) -> jax.Array:
 def orthonormalize(p: jax.Array, key: jax.Array, matrix: DionMatrix) -> jax.Array:
   """Orthonormal columns spanning those of ``p``, by randomized Cholesky-QR.
 
-  A Gaussian sketch S (k × rows, k = oversample·r) gives S·P, whose QR factor R₁ makes
+  Where P has no more rows than the sketch would (m ≤ k), P's rows are gathered and its
+  Householder QR taken instead. Otherwise a Gaussian sketch S (k × rows, k = oversample·r) gives S·P, whose QR factor R₁ makes
   P₁ = P·R₁⁻¹ well conditioned whatever P's conditioning; one Cholesky-QR of P₁ then
-  orthonormalizes it. Only k × r and r × r values cross devices.
+  orthonormalizes it. Only k × r and r × r values cross devices (m × r with the QR).
 
   Args:
     p: (batch…, rows…, r), laid out like the param's rows.
@@ -231,6 +237,12 @@ def orthonormalize(p: jax.Array, key: jax.Array, matrix: DionMatrix) -> jax.Arra
   b, i = matrix.b, matrix.i
   small = matrix.spec(matrix.batch_dims, 2)
   p_spec = matrix.spec(matrix.batch_dims + matrix.row_dims, 1)
+  if matrix.m <= matrix.sketch:
+    # A sketch would be no shorter than P: gather P's rows (m·r values) and take its QR.
+    whole = matrix.placed(p, matrix.spec(matrix.batch_dims, matrix.rows + 1))
+    flat = whole.reshape(matrix.view[:matrix.batch] + (matrix.m, matrix.rank))
+    q = matrix.per_block(lambda x: jnp.linalg.qr(x)[0], flat)
+    return matrix.placed(q.reshape(p.shape), p_spec)
   # 1. Sketch: S·P, summed over the row blocks.
   sketch = matrix.normal(key, (matrix.sketch,) + matrix.view[matrix.batch:][:matrix.rows],
                          p.dtype, matrix.spec(matrix.row_dims, lead=1))
@@ -272,7 +284,8 @@ def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
   r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec)
   new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec)
   norms = jnp.sqrt(jnp.sum(r * r, axis=_q_col_dims(matrix), keepdims=True))
-  new_q = jnp.where(norms > 0, r / jnp.where(norms > 0, norms, 1), q)
-  direction = matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, new_q, m_spec)
+  unit = r / jnp.where(norms > 0, norms, 1)  # a zero column stays zero
+  direction = matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, unit, m_spec)
+  new_q = jnp.where(norms > 0, unit, q)
   return (jnp.transpose(direction, back), jnp.transpose(new_m, back).astype(momentum.dtype),
           new_q)
