@@ -320,8 +320,8 @@ def _checked_and_placed(tx: optax.GradientTransformation, options: MuonOptions, 
   expect and puts AdamW's moments where their params live, and whose ``update`` names the
   leaf whose gradient does not fit its param.
 
-  The direction's state (of type ``keep``) is made in place; AdamW's would be replicated by ``jax.jit(tx.init)`` on an
-  Auto mesh.
+  The direction's state (of type ``keep``) is made in place; AdamW's would be replicated
+  by ``jax.jit(tx.init)`` on an Auto mesh.
   """
   tx = optax.with_extra_args_support(tx)
   warnings = OncePerTransformation()

@@ -221,9 +221,10 @@ def orthonormalize(p: jax.Array, key: jax.Array, matrix: DionMatrix) -> jax.Arra
   """Orthonormal columns spanning those of ``p``, by randomized Cholesky-QR.
 
   Where P has no more rows than the sketch would (m ≤ k), P's rows are gathered and its
-  Householder QR taken instead. Otherwise a Gaussian sketch S (k × rows, k = oversample·r) gives S·P, whose QR factor R₁ makes
-  P₁ = P·R₁⁻¹ well conditioned whatever P's conditioning; one Cholesky-QR of P₁ then
-  orthonormalizes it. Only k × r and r × r values cross devices (m × r with the QR).
+  Householder QR taken instead. Otherwise a Gaussian sketch S (k × rows, k = oversample·r)
+  gives S·P, whose QR factor R₁ makes P₁ = P·R₁⁻¹ well conditioned whatever P's
+  conditioning; one Cholesky-QR of P₁ then orthonormalizes it. Only k × r and r × r values
+  cross devices (m × r with the QR).
 
   Args:
     p: (batch…, rows…, r), laid out like the param's rows.

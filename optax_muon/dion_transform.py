@@ -54,8 +54,13 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float
   """Each Muon leaf's ``DionMatrix``, its rank from ``rank_fraction``.
 
   Raises:
-    ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the leaf.
+    ValueError: inside ``shard_map``; for a complex leaf or a rank fraction outside
+      (0, 1], naming the leaf.
   """
+  if spec.manual:
+    raise ValueError("optax_muon: Dion does not run inside shard_map (its leaves would be "
+                     "local blocks); call the update under jax.jit on the global arrays, "
+                     "with param_shardings on an Auto mesh.")
   fractions = tree_utils.resolve_prefix(rank_fraction, tree, is_value=_is_fraction,
                                         what="rank_fraction")
   out = []

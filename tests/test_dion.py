@@ -112,6 +112,11 @@ def test_bad_inputs():
   complex_params = {"blocks": {"w": jnp.zeros((8, 8)), "z": jnp.zeros((8, 8), jnp.complex64)}}
   with pytest.raises(ValueError, match="blocks/z: Dion takes real matrices"):
     om.scale_by_dion().init(complex_params)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  tx = om.scale_by_dion(param_shardings=NamedSharding(mesh, P("fsdp")))
+  with pytest.raises(ValueError, match="inside shard_map"):
+    jax.shard_map(lambda w: tx.init({"w": w}).q["w"], mesh=mesh, in_specs=P("fsdp"),
+                  out_specs=P())(jax.device_put(jnp.zeros((16, 8)), NamedSharding(mesh, P("fsdp"))))
   with pytest.raises(ValueError, match="blocks/z: Dion takes real matrices"):
     om.dion(0.1, routing=om.Routing(labels={"blocks": {"w": "muon", "z": "muon"}})).init(
         complex_params)
