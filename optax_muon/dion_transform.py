@@ -248,10 +248,10 @@ def dion(
       params).
     nesterov: NAdamW rather than AdamW on the other leaves (Dion's momentum has no
       look-ahead).
-    adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate,
-      adam_weight_decay_mask: AdamW's, as in ``muon``.
-    muon_weight_dimension_numbers, consistent_rms, scale, routing, param_shardings,
-      cautious_weight_decay, qk_clip: as in ``muon``.
+    adam_b1, adam_b2, adam_eps_root, adam_weight_decay: AdamW's, as in ``muon``.
+    adam_learning_rate, adam_weight_decay_mask: as in ``muon``.
+    muon_weight_dimension_numbers, consistent_rms, scale, routing: as in ``muon``.
+    param_shardings, cautious_weight_decay, qk_clip: as in ``muon``.
     oversample, seed: see ``scale_by_dion``.
 
   Returns:
