@@ -16,6 +16,8 @@ same budget, warmup + cosine schedule, batch stream and init for a given seed.
    NorMuon with cautious decay (at NorMuon's learning rate).
 5. Single-seed variants: sum momentum, and rms scaling at AdamW's learning rate A* (the
    claim that rms lets Muon reuse AdamW's learning rate).
+6. Dion (``optax_muon.dion``, the same routing) at rank fractions ``DION_RANKS``, each with
+   its learning rate swept over ``DION_LRS``.
 
 Every row but 5 has two seeds (``--quick``: one). Reported: final validation loss (mean
 over seeds), the steps each needs to reach AdamW's final validation loss as a fraction of
@@ -75,6 +77,9 @@ BEST_LRS = {"adamw": 4e-3, "optax_muon": 0.02, "contrib": 0.02}
 NORMUON_LRS = (0.02, 0.01, 0.04)
 #: λ of the weight-decay rows, for both branches (multiplied by each branch's lr).
 WEIGHT_DECAY = 0.1
+#: Dion's rank fractions, and the learning rates swept for each (the first runs first).
+DION_RANKS = (1.0, 0.25, 0.0625)
+DION_LRS = (0.02, 0.01, 0.04)
 
 
 def schedule(peak: float, steps: int) -> optax.Schedule:
@@ -83,11 +88,14 @@ def schedule(peak: float, steps: int) -> optax.Schedule:
 
 
 def make_optimizer(kind: str, lr: float, adam_lr: float, steps: int, **variant):
-  """The optimizer of one run. ``kind``: adamw, optax_muon or contrib."""
+  """The optimizer of one run. ``kind``: adamw, optax_muon, dion or contrib."""
   if kind == "adamw":
     return optax.adamw(schedule(lr, steps), b2=0.95)
   if kind == "optax_muon":
     return optax_muon.muon(schedule(lr, steps), adam_learning_rate=schedule(adam_lr, steps),
+                           adam_b2=0.95, **variant)
+  if kind == "dion":
+    return optax_muon.dion(schedule(lr, steps), adam_learning_rate=schedule(adam_lr, steps),
                            adam_b2=0.95, **variant)
   if kind == "contrib":
     return optax.contrib.muon(schedule(lr, steps), adam_learning_rate=schedule(adam_lr, steps),
@@ -140,8 +148,9 @@ def main(argv=None) -> dict:
   budget = QUICK if args.quick else Budget()
   data = stdlib_corpus(max_bytes=300_000 if args.quick else 4_000_000)
   seeds = (0,) if args.quick else (0, 1)  # --quick: every row once
+  dion_lrs = DION_LRS
   if args.quick:
-    adam_lrs, normuon_lrs = (3e-3,), (0.02,)
+    adam_lrs, normuon_lrs, dion_lrs = (3e-3,), (0.02,), (0.02,)
     muon_lrs = {"optax_muon": (0.02,), "contrib": (0.02,)}
   elif args.sweep:
     adam_lrs, muon_lrs = (1e-3, 2e-3, 4e-3), {"optax_muon": (0.01, 0.02, 0.04),
@@ -237,6 +246,13 @@ def main(argv=None) -> dict:
       go(name, "optax_muon", lr, best_adam, seed=seed, **variant)
     go(both, "optax_muon", best["normuon"], best_adam, seed=seed, cautious_weight_decay=True,
        **normuon, **decay)
+  dion_names = {rank: f"dion rank {rank:g}" for rank in DION_RANKS}
+  for rank, name in dion_names.items():
+    best[name], sweeps[name] = sweep(name, "dion", dion_lrs, best_adam, rank_fraction=rank)
+  for seed in seeds[1:]:
+    for rank, name in dion_names.items():
+      go(f"{name} lr={best[name]:g}", "dion", best[name], best_adam, seed=seed,
+         rank_fraction=rank)
   singles = {"optax_muon sum momentum": (lr, dict(momentum="sum")),
              "optax_muon rms scale @ AdamW lr": (best_adam, dict(consistent_rms=0.2))}
   for name, (single_lr, variant) in singles.items():
@@ -251,7 +267,9 @@ def main(argv=None) -> dict:
              "optax_muon.muon": f"optax_muon lr={best['optax_muon']:g}",
              "optax.contrib.muon": f"contrib lr={best['contrib']:g}",
              "optax_muon NorMuon": f"optax_muon NorMuon lr={best['normuon']:g}",
-             **{k: k for k in (*ablations, both, *singles)}}
+             **{k: k for k in (*ablations, both, *singles)},
+             **{f"optax_muon.dion, rank fraction {rank:g}": f"{name} lr={best[name]:g}"
+                for rank, name in dion_names.items()}}
   mean_curve = lambda rs: [(t, float(np.mean([r["curve"][k][1] for r in rs])))
                            for k, (t, _) in enumerate(rs[0]["curve"])]
   target = mean_curve(runs_of(winners["AdamW"]))[-1][1]
