@@ -57,7 +57,9 @@ def _muon(package, params, stacked: bool, method: str):
   # optax.contrib's dimension numbers: every version of optax_muon accepts them.
   dims = muon_dims(params, contrib=True) if stacked else None
   if hasattr(package, "NSOptions"):
-    return package.muon(0.02, routing=package.Routing(adam_pattern=None),
+    # Every matrix on Muon (the embedding and head too, as optax.contrib.muon does with
+    # these dimension numbers); the stacked norm scales (ln1, ln2) on AdamW.
+    return package.muon(0.02, routing=package.Routing(adam_pattern=r"(^|/)ln\d$"),
                         ns_options=package.NSOptions(method=method),
                         muon_weight_dimension_numbers=dims)
   return package.muon(0.02, adam_pattern=None, method=method, adam_nesterov=True,

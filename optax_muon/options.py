@@ -28,9 +28,9 @@ MOMENTUM_KINDS = ("ema", "ema_uncorrected", "sum")
 #: Leaves whose path matches this go to AdamW under the default routing: embeddings and
 #: output heads (any path component containing "embed", or named lm_head, wte, wpe, head),
 #: and norm scales however they are stacked (a component containing "norm", one named ln,
-#: ln1, ln_2, ln_f..., or a leaf named scale).
+#: ln1, ln_2, ln_f..., or a leaf named scale or ending in _scale, as ln_scale).
 DEFAULT_ADAM_PATTERN = (r"(?i)embed|norm|(^|/)(lm_head|wte|wpe|head|ln[_\d]*f?)(/|$)"
-                        r"|(^|/)scale$")
+                        r"|(^|[/_])scale$")
 
 
 def check_number(name: str, value: Any, low: float, high: float | None = None, *,
