@@ -41,7 +41,10 @@ def find_muon_options(tx: Any, params: Any) -> MuonOptions:
     jax.eval_shape(lambda p: init(p), params)  # noqa: PLW0108
   if not found:
     raise ValueError(f"no optax_muon transformation found in {type(tx).__name__}: pass the "
-                     "transformation that muon or scale_by_muon is part of.")
+                     "transformation that muon or scale_by_muon is part of (summarize does "
+                     "not describe dion yet; dion routes leaves as muon with the same "
+                     "arguments does, so summarize(params, optax_muon.muon(...)) shows "
+                     "where each leaf goes).")
   if any(options != found[0] for options in found[1:]):
     raise ValueError(f"{type(tx).__name__} holds {len(found)} different Muon "
                      "transformations; summarize each on its own.")
