@@ -246,7 +246,8 @@ def main(argv=None) -> dict:
       go(name, "optax_muon", lr, best_adam, seed=seed, **variant)
     go(both, "optax_muon", best["normuon"], best_adam, seed=seed, cautious_weight_decay=True,
        **normuon, **decay)
-  dion_names = {rank: f"dion rank {rank:g}" for rank in DION_RANKS}
+  dion_names = {rank: f"dion rank {rank:g}"
+                for rank in (DION_RANKS[1:2] if args.quick else DION_RANKS)}
   for rank, name in dion_names.items():
     best[name], sweeps[name] = sweep(name, "dion", dion_lrs, best_adam, rank_fraction=rank)
   for seed in seeds[1:]:

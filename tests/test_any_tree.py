@@ -21,7 +21,7 @@ alike with and without the mesh. Warnings (≥3-D leaves without dimension numbe
 matrices, ...) are expected on such trees and ignored; errors fail the test.
 
 Draw counts (``derandomize=True``: the same draws on every run, so a failure reproduces):
-the fast test 15 (about 15 s on 2 cores), the slow one 60 more (about 1 min); ``FOUND``
+the fast test 15 (about 15 s on 2 cores), the slow one 40 more (about 30 s); ``FOUND``
 holds the failures the search found, run first as explicit examples. A deeper search draws
 fresh examples on each run:
 
@@ -96,7 +96,7 @@ TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 32 * 2.0**-8
              jnp.dtype(jnp.float16): 32 * 2.0**-11}
 
 PROFILES = {  # name: (fast draws, slow draws, derandomize)
-    "ci": (15, 60, True),
+    "ci": (15, 40, True),
     "deep": (500, 2000, False),
 }
 _PROFILE = os.environ.get("OPTAX_MUON_HYPOTHESIS_PROFILE", "ci")

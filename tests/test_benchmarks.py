@@ -65,7 +65,7 @@ def test_convergence_quick(tmp_path):
   assert summary["table"][0]["steps to AdamW's final"] == 1.0  # AdamW reaches its own final
   assert {"optax_muon NorMuon", "optax_muon cautious weight decay 0.1",
           "optax_muon weight decay 0.1", "optax_muon NorMuon + cautious weight decay 0.1",
-          "optax_muon polar_express"} <= set(labels)
+          "optax_muon polar_express", "optax_muon.dion, rank fraction 0.25"} <= set(labels)
   runs = summary["runs"]
   assert "'cautious_weight_decay': True" in runs[
       "optax_muon cautious weight decay 0.1 seed=0"]["variant"]
