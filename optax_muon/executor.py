@@ -255,24 +255,23 @@ def _switch(index, branches, operand):
   return jax.lax.switch(index, branches, operand)
 
 
-def _run_stage(stacks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
+def _run_stage(units: jax.Array, plan: Plan, ns: NSFunction, group: Group,
                ex: Exchange) -> tuple[jax.Array, np.ndarray, int]:
   """Steps 2–6 of ``_run_exchange`` for one stage: this device's pieces out to their
-  owners, NS there, the results back.
+  owners, NS there, the results back. ``units``: the exchange's stacks in the wire dtype
+  as (units, unit) rows, then a unit of zeros.
 
   Returns:
     (the results as (workers, chunk) rows, as the replicas' all-gather leaves them; where
     each of their units belongs in the stacks (``buffer_units``); the unit).
   """
   g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
-  wire = jnp.dtype(plan.wire_dtype or jnp.result_type(*stacks))
   replicas = workers // g
   rep = _index(group.replica_axes) if group.split else 0
   index, unit = buffer_units(ex, plan, g)  # (workers, chunk // unit)
+  assert unit == units.shape[1], "the stages of an exchange share its unit"
   # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
   # busiest worker's; replicas hold the same data, so each sends its own workers' only.
-  units = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
-                          + [jnp.zeros((unit,), wire)]).reshape(-1, unit)
   send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)  # (g, r, chunk)
   buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
   # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
@@ -329,7 +328,12 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
   else:
     # 2.–6. per stage; stage s + 1's all-to-all depends only on the stacks, so the
     # scheduler may run it beside stage s's NS.
-    done = [_run_stage(stacks, plan, ns, group, stage) for stage in stages]
+    # The stacks in the wire dtype, cut into units, and a unit of zeros for padding.
+    wire = jnp.dtype(plan.wire_dtype or jnp.result_type(*stacks))
+    unit = _exchange_unit(ex, plan, group.exchange_size)
+    units = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
+                            + [jnp.zeros((unit,), wire)]).reshape(-1, unit)
+    done = [_run_stage(units, plan, ns, group, stage) for stage in stages]
     unit = done[0][2]
     # 7. Every piece back to its place in the stacks: the inverse of step 2's gathers.
     size = sum(s.size for s in stacks) // unit
