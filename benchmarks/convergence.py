@@ -79,7 +79,7 @@ NORMUON_LRS = (0.02, 0.01, 0.04)
 WEIGHT_DECAY = 0.1
 #: Dion's rank fractions, and the learning rates swept for each (the first runs first).
 DION_RANKS = (1.0, 0.25, 0.0625)
-DION_LRS = (0.02, 0.01, 0.04)
+DION_LRS = (0.02, 0.01, 0.03, 0.04)
 
 
 def schedule(peak: float, steps: int) -> optax.Schedule:

@@ -15,7 +15,8 @@ is an ``einsum`` over those axes. With r the rank, per matrix::
 
 Each product's output sharding is stated (``out_sharding`` on Explicit meshes, a sharding
 constraint on Auto meshes), so the partitioner contracts local blocks and sums the small
-partial results (P and R, the r × r Grams, the column norms) instead of gathering M.
+partial results (P and R, the r × r Grams, the column norms) instead of gathering M. Inside
+a ``shard_map`` the leaves are the local blocks and the same sums are ``psum``s by axis name.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class DionMatrix:
     sketch: rows of the random sketch, ``ceil(oversample · r)``.
     dim_axes: per axis of ``view``, the mesh axes that split it (empty without sharding).
     mesh: the mesh, or None without sharding.
+    manual: whether the arrays are local blocks (inside ``shard_map``).
   """
 
   path: str
@@ -76,10 +78,11 @@ class DionMatrix:
   sketch: int
   dim_axes: tuple[tuple[str, ...], ...]
   mesh: Any = None
+  manual: bool = False
 
   @classmethod
   def of(cls, layout: MatrixLayout, sharding: LeafSharding | None, rank: int,
-         oversample: float = OVERSAMPLE) -> DionMatrix:
+         oversample: float = OVERSAMPLE, manual: bool = False) -> DionMatrix:
     rows, cols = layout.reduction_axes, layout.output_axes
     if layout.transposed:
       rows, cols = cols, rows
@@ -91,7 +94,7 @@ class DionMatrix:
     return cls(layout.path, perm, tuple(layout.shape[a] for a in perm),
                len(layout.batch_axes), len(rows), len(cols), rank,
                math.ceil(oversample * rank), dim_axes,
-               None if sharding is None else sharding.mesh)
+               None if sharding is None else sharding.mesh, manual and sharding is not None)
 
   @property
   def b(self) -> str:
@@ -138,9 +141,49 @@ class DionMatrix:
     return self.mesh is not None and all(t == AxisType.Explicit
                                          for t in self.mesh.axis_types)
 
+  def axes_of(self, dims: tuple[int, ...]) -> tuple[str, ...]:
+    """The mesh axes that split any of the view's ``dims``."""
+    return tuple(sorted({a for d in dims for a in self.dim_axes[d]}))
+
+  def _dims_of(self, letters: str) -> tuple[int, ...]:
+    """The view dims that ``einsum`` letters name (r, s, t name none)."""
+    starts = ((_BATCH, 0, self.batch), (_ROWS, self.batch, self.rows),
+              (_COLS, self.batch + self.rows, self.cols))
+    return tuple(start + group.index(c) for c in letters
+                 for group, start, n in starts if c in group[:n])
+
+  def summed(self, x: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    """Inside ``shard_map``: the sum of the partial results ``x`` over the devices that
+    split the view's ``dims``; otherwise ``x``."""
+    axes = self.axes_of(dims) if self.manual else ()
+    return jax.lax.psum(x, axes) if axes else x
+
+  def local_block(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """Inside ``shard_map``: this device's block of the whole array ``x`` laid out by
+    ``spec``; otherwise ``x``."""
+    if not self.manual:
+      return x
+    for axis, entry in enumerate(spec):
+      if entry is None:
+        continue
+      names = (entry,) if isinstance(entry, str) else tuple(entry)
+      size = x.shape[axis] // math.prod(self.mesh.shape[a] for a in names)
+      x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(names) * size, size, axis)
+    return x
+
+  def gathered(self, x: jax.Array, axes_dims: tuple[tuple[int, int], ...]) -> jax.Array:
+    """Inside ``shard_map``: ``x`` whole along its axes ``axis`` that hold the view's dims
+    ``dim`` (pairs ``(axis, dim)``); otherwise ``x``."""
+    if not self.manual:
+      return x
+    for axis, dim in axes_dims:
+      if self.dim_axes[dim]:
+        x = jax.lax.all_gather(x, self.dim_axes[dim], axis=axis, tiled=True)
+    return x
+
   def placed(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """``x`` laid out by ``spec`` (a no-op without a mesh)."""
-    if self.mesh is None:
+    """``x`` laid out by ``spec`` (a no-op without a mesh or inside ``shard_map``)."""
+    if self.mesh is None or self.manual:
       return x
     if self.explicit:
       return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
@@ -152,6 +195,11 @@ class DionMatrix:
     over their devices, nothing is gathered."""
     if self.mesh is None:
       return jnp.einsum(subscripts, a, b, precision=_HIGHEST)
+    if self.manual:
+      inputs, output = subscripts.split("->")
+      contracted = "".join(sorted(set(inputs.replace(",", "")) - set(output)))
+      return self.summed(jnp.einsum(subscripts, a, b, precision=_HIGHEST),
+                         self._dims_of(contracted))
     if self.explicit:
       return jnp.einsum(subscripts, a, b, precision=_HIGHEST,
                         out_sharding=NamedSharding(self.mesh, spec))
@@ -161,14 +209,17 @@ class DionMatrix:
     """``fn`` of a (batch…, a, b) array that is whole on every device but for its batch
     axes, run on each device's batch block (``shard_map``): the partitioner then never
     has to split or gather a decomposition."""
-    if self.mesh is None:
+    if self.mesh is None or self.manual:
       return fn(x)
     spec = self.spec(self.batch_dims, 2)
     return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec)(x)
 
   def normal(self, key: jax.Array, shape: tuple[int, ...], dtype: Any,
              spec: PartitionSpec) -> jax.Array:
-    """Standard normal values laid out by ``spec``; the same values on any mesh."""
+    """Standard normal values of the whole ``shape`` laid out by ``spec`` (inside
+    ``shard_map``: this device's block); the same values on any mesh."""
+    if self.manual:
+      return self.local_block(jax.random.normal(key, shape, dtype), spec)
     if self.explicit:
       return jax.random.normal(key, shape, dtype,
                                out_sharding=NamedSharding(self.mesh, spec))
@@ -178,7 +229,13 @@ class DionMatrix:
 def initial_q(matrix: DionMatrix, key: jax.Array, dtype: Any) -> jax.Array:
   """A random Q with unit columns, laid out like the param's columns."""
   q = matrix.normal(key, matrix.q_shape, dtype, _q_spec(matrix))
-  return q / jnp.sqrt(jnp.sum(q * q, axis=_q_col_dims(matrix), keepdims=True))
+  return q / column_norms(q, matrix)
+
+
+def column_norms(q: jax.Array, matrix: DionMatrix) -> jax.Array:
+  """The Euclidean norm of each column of a (batch…, cols…, r) array, keeping its dims."""
+  return jnp.sqrt(matrix.summed(jnp.sum(q * q, axis=_q_col_dims(matrix), keepdims=True),
+                                matrix.col_dims))
 
 
 def _q_col_dims(matrix: DionMatrix) -> tuple[int, ...]:
@@ -240,10 +297,13 @@ def orthonormalize(p: jax.Array, key: jax.Array, matrix: DionMatrix) -> jax.Arra
   p_spec = matrix.spec(matrix.batch_dims + matrix.row_dims, 1)
   if matrix.m <= matrix.sketch:
     # A sketch would be no shorter than P: gather P's rows (m·r values) and take its QR.
-    whole = matrix.placed(p, matrix.spec(matrix.batch_dims, matrix.rows + 1))
-    flat = whole.reshape(matrix.view[:matrix.batch] + (matrix.m, matrix.rank))
-    q = matrix.per_block(lambda x: jnp.linalg.qr(x)[0], flat)
-    return matrix.placed(q.reshape(p.shape), p_spec)
+    rows = tuple((d, d) for d in matrix.row_dims)
+    whole = matrix.gathered(
+        matrix.placed(p, matrix.spec(matrix.batch_dims, matrix.rows + 1)), rows)
+    flat = whole.reshape(whole.shape[:matrix.batch] + (matrix.m, matrix.rank))
+    q = matrix.per_block(lambda x: jnp.linalg.qr(x)[0], flat).reshape(whole.shape)
+    return matrix.placed(matrix.local_block(q, matrix.spec(matrix.row_dims, 1, matrix.batch)),
+                         p_spec)
   # 1. Sketch: S·P, summed over the row blocks.
   sketch = matrix.normal(key, (matrix.sketch,) + matrix.view[matrix.batch:][:matrix.rows],
                          p.dtype, matrix.spec(matrix.row_dims, lead=1))
@@ -284,7 +344,7 @@ def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
   p = orthonormalize(p, key, matrix)
   r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec)
   new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec)
-  norms = jnp.sqrt(jnp.sum(r * r, axis=_q_col_dims(matrix), keepdims=True))
+  norms = column_norms(r, matrix)
   unit = r / jnp.where(norms > 0, norms, 1)  # a zero column stays zero
   direction = matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, unit, m_spec)
   new_q = jnp.where(norms > 0, unit, q)

@@ -54,13 +54,8 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float
   """Each Muon leaf's ``DionMatrix``, its rank from ``rank_fraction``.
 
   Raises:
-    ValueError: inside ``shard_map``; for a complex leaf or a rank fraction outside
-      (0, 1], naming the leaf.
+    ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the leaf.
   """
-  if spec.manual:
-    raise ValueError("optax_muon: Dion does not run inside shard_map (its leaves would be "
-                     "local blocks); call the update under jax.jit on the global arrays, "
-                     "with param_shardings on an Auto mesh.")
   fractions = tree_utils.resolve_prefix(rank_fraction, tree, is_value=_is_fraction,
                                         what="rank_fraction")
   out = []
@@ -72,7 +67,7 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float
     fraction = 1.0 if fractions[i] is None else fractions[i]
     _check_fraction(fraction, leaf.path)
     out.append(DionMatrix.of(leaf.layout, leaf.sharding, rank_of(fraction, leaf.layout),
-                             oversample))
+                             oversample, spec.manual))
   return out
 
 
