@@ -114,6 +114,11 @@ class DionMatrix:
     return math.prod(self.view[self.batch:self.batch + self.rows])
 
   @property
+  def n(self) -> int:
+    """Columns per matrix."""
+    return math.prod(self.view[self.batch + self.rows:])
+
+  @property
   def row_dims(self) -> tuple[int, ...]:
     return tuple(range(self.batch, self.batch + self.rows))
 

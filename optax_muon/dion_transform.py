@@ -9,6 +9,7 @@ the same spec as Muon's (``spec.tree_spec``); no plan is built.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -23,10 +24,29 @@ from optax_muon.momentum import moment_dtype
 from optax_muon.options import Routing, check_number, check_option
 from optax_muon.qk_clipping import QKClip
 from optax_muon.sharding import placement_of, zeros
-from optax_muon.spec import MuonOptions, TreeSpec, tree_spec
+from optax_muon.spec import MuonOptions, TreeSpec, report_options, tree_spec
 from optax_muon.transform import branch_options, static_or_injected
 from optax_muon.tree_utils import check_same_shapes
 from optax_muon.user_warnings import OncePerTransformation
+
+
+@dataclasses.dataclass(frozen=True)
+class DionSettings:
+  """What ``init`` reports for ``summarize``: the options shared with Muon, and Dion's own.
+
+  Attributes:
+    options: the routing, dimension numbers and shardings (as ``muon`` takes them).
+    rank_fraction: the frozen per-leaf rank fractions.
+    oversample: sketch rows per unit of rank.
+  """
+
+  options: MuonOptions
+  rank_fraction: Any
+  oversample: float
+
+  def matrices(self, spec: TreeSpec, tree: Any) -> list[DionMatrix]:
+    """Each Muon leaf's ``DionMatrix`` (``spec`` built from ``options``)."""
+    return _matrices(spec, tree, self.rank_fraction, self.oversample)
 
 
 class DionState(NamedTuple):
@@ -89,6 +109,7 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
   base = jax.random.key(seed)
 
   def init_fn(params):
+    report_options(DionSettings(options, rank_fraction, oversample))
     spec = tree_spec(params, received)
     if warnings is not None:
       warnings.warn(spec.notices)

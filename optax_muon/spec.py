@@ -118,8 +118,9 @@ def reporting_options() -> Iterator[list[MuonOptions]]:
     _REPORTED.reset(token)
 
 
-def report_options(options: MuonOptions) -> None:
-  """Called by ``init``: hands ``options`` to an active ``reporting_options``."""
+def report_options(options: Any) -> None:
+  """Called by ``init``: hands ``options`` (``MuonOptions``, or Dion's settings that hold
+  them) to an active ``reporting_options``."""
   found = _REPORTED.get()
   if found is not None:
     found.append(options)

@@ -1,14 +1,19 @@
-"""``summarize``: a table of where every leaf goes and what Newton–Schulz costs there."""
+"""``summarize``: a table of where every leaf goes and what Newton–Schulz (or Dion's
+power iteration, beside what Muon's plan would cost) costs there."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import numpy as np
 
 from optax_muon import costs, tree_utils
+from optax_muon.coefficients import resolve_coefficients
+from optax_muon.dion_costs import dion_cost, step_seconds
+from optax_muon.dion_transform import DionSettings
 from optax_muon.momentum import moment_dtype
 from optax_muon.plan.model import Plan
 from optax_muon.qk_clipping import ROLES, resolve_projections
@@ -18,17 +23,27 @@ from optax_muon.spec import MuonOptions, TreeSpec, reporting_options, tree_spec
 
 
 def find_muon_options(tx: Any, params: Any) -> MuonOptions:
-  """The static options of the Muon transformation inside ``tx``.
+  """The static options of the Muon (or Dion) transformation inside ``tx``: its routing,
+  dimension numbers and shardings (see ``find_reported``)."""
+  found = find_reported(tx, params)
+  return found.options if isinstance(found, DionSettings) else found
+
+
+def find_reported(tx: Any, params: Any) -> MuonOptions | DionSettings:
+  """What the Muon or Dion transformation inside ``tx`` reports at ``init``.
 
   Args:
-    tx: an optax transformation that contains one from ``muon`` or ``scale_by_muon``
-      (also inside ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
+    tx: an optax transformation that contains one from ``muon``, ``scale_by_muon``,
+      ``dion`` or ``scale_by_dion`` (also inside ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
       ``optax.apply_if_finite``, ...), or an ``nnx.Optimizer``.
     params: the params (``tx.init`` is traced with ``jax.eval_shape``: nothing is
       computed).
 
+  Returns:
+    ``MuonOptions`` for Muon, ``DionSettings`` for Dion.
+
   Raises:
-    ValueError: if ``tx`` holds no Muon transformation, or several different ones.
+    ValueError: if ``tx`` holds no Muon or Dion transformation, or several different ones.
   """
   tx = getattr(tx, "tx", tx)  # an nnx.Optimizer holds its transformation as .tx
   init = getattr(tx, "init", None)
@@ -41,12 +56,10 @@ def find_muon_options(tx: Any, params: Any) -> MuonOptions:
     jax.eval_shape(lambda p: init(p), params)  # noqa: PLW0108
   if not found:
     raise ValueError(f"no optax_muon transformation found in {type(tx).__name__}: pass the "
-                     "transformation that muon or scale_by_muon is part of (summarize does "
-                     "not describe dion yet; dion routes leaves as muon with the same "
-                     "arguments does, so summarize(params, optax_muon.muon(...)) shows "
-                     "where each leaf goes).")
+                     "transformation that muon, scale_by_muon, dion or scale_by_dion is "
+                     "part of.")
   if any(options != found[0] for options in found[1:]):
-    raise ValueError(f"{type(tx).__name__} holds {len(found)} different Muon "
+    raise ValueError(f"{type(tx).__name__} holds {len(found)} different Muon or Dion "
                      "transformations; summarize each on its own.")
   return found[0]
 
@@ -115,6 +128,15 @@ class LeafSummary:
     ns_seconds: modelled NS time of one of its matrices there (sharded leaves; the cost
       model of ``ShardingOptions``).
     qk_clip: its QK-clip role and heads (query and key projections only).
+    rank: Dion's rank r (Dion's Muon leaves only; then ``ns_flops`` is None and the
+      figures below are Dion's).
+    flops_per_device: Dion's FLOPs per step on one device.
+    received_bytes: the bytes one device receives per step for this leaf (Dion's
+      collectives).
+    seconds: Dion's modelled time for this leaf on one device (cost model of
+      ``RoutingSummary.cost_model``).
+    muon_bytes: the bytes Muon's plan moves for this leaf per step (the matrix to the
+      device(s) that orthogonalize it and back), all devices together.
   """
 
   path: str
@@ -130,6 +152,11 @@ class LeafSummary:
   team: int | None = None
   ns_seconds: float | None = None
   qk_clip: str = ""
+  rank: int | None = None
+  flops_per_device: float | None = None
+  received_bytes: float | None = None
+  seconds: float | None = None
+  muon_bytes: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +165,23 @@ class RoutingSummary:
 
   Attributes:
     rows: one per leaf.
-    plan: the orthogonalization plan of the Muon leaves, if any.
+    plan: the orthogonalization plan of the Muon leaves, if any (for Dion: the plan that
+      ``muon`` with the same arguments would follow, for comparison).
     notes: footer lines naming the precision Newton–Schulz's products run at, the options
       that change the update (NorMuon, cautious weight decay, QK-clip) and the leaves they
       apply to, and the warnings ``init`` gives for this tree (routing surprises,
       degenerate matrices).
     cost_model: the model the plan's figures come from (its ``name`` says which profile).
+    dion: whether the rows' figures are Dion's.
+    dion_seconds: Dion's modelled step time on one device (``dion_costs.step_seconds``).
   """
 
   rows: tuple[LeafSummary, ...]
   plan: Plan | None = None
   notes: tuple[str, ...] = ()
   cost_model: costs.CostModel | None = None
+  dion: bool = False
+  dion_seconds: float | None = None
 
   def by_optimizer(self, optimizer: str) -> list[LeafSummary]:
     return [r for r in self.rows if r.optimizer == optimizer]
@@ -159,6 +191,8 @@ class RoutingSummary:
     return sum(r.ns_flops or 0 for r in self.rows)
 
   def __str__(self) -> str:
+    if self.dion:
+      return self._dion_table()
     header = ("path", "shape", "dtype", "optimizer", "reason", "NS matrix", "batch", "scale",
               "NS GFLOP", "k", "NS ms (model)", "NS placement")
     body = [(r.path, "×".join(map(str, r.shape)) or "()", r.dtype,
@@ -184,10 +218,51 @@ class RoutingSummary:
       header, body = header[:-3], [row[:-3] for row in body]
     if any(r.qk_clip for r in self.rows):
       header, body = header + ("QK-clip",), [(*row, r.qk_clip) for row, r in zip(body, self.rows)]
-    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
-    fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer, *self.notes])
+    return _table(header, body, footer, self.notes)
+
+  def _dion_table(self) -> str:
+    sharded = self.plan is not None and self.plan.sharded
+    header = ("path", "shape", "dtype", "optimizer", "reason", "matrix", "batch", "scale", "r",
+              "GFLOP/device", "MB/device", "ms (model)", "Muon MB", "Muon NS ms")
+    mb = lambda x: f"{x / 1e6:.3g}" if x is not None else ""
+    body = [(r.path, "×".join(map(str, r.shape)) or "()", r.dtype,
+             "Dion" if r.optimizer == MUON else "AdamW", r.reason,
+             f"{r.ns_matrix[0]}×{r.ns_matrix[1]}" if r.ns_matrix else "",
+             str(r.batch or ""), f"{r.scale:.3g}" if r.scale is not None else "",
+             str(r.rank or ""),
+             f"{r.flops_per_device / 1e9:.3g}" if r.flops_per_device is not None else "",
+             mb(r.received_bytes),
+             f"{r.seconds * 1e3:.3g}" if r.seconds is not None else "",
+             mb(r.muon_bytes) if sharded else "",
+             f"{r.ns_seconds * 1e3:.3g}" if r.ns_seconds is not None else "")
+            for r in self.rows]
+    dion = self.by_optimizer(MUON)
+    footer = (f"{_plural(len(dion), 'leaf', 'leaves')} on Dion, "
+              f"{len(self.by_optimizer(ADAM))} on AdamW. Dion per step on each device: "
+              f"{sum(r.flops_per_device for r in dion) / 1e9:.3g} GFLOP, receives "
+              f"{sum(r.received_bytes for r in dion) / 1e6:.3g} MB, modelled "
+              f"{self.dion_seconds * 1e3:.3g} ms (each kind of collective combined over "
+              "the leaves)")
+    if sharded:
+      footer += (f"; Muon's plan for the same tree and mesh (muon with the same arguments): "
+                 f"{costs.critical_seconds(self.plan, self.cost_model) * 1e3:.3g} ms and "
+                 f"{costs.device_received_bytes(self.plan).max() / 1e6:.3g} MB received on "
+                 f"the busiest device")
+    footer += (f" (cost profile: {self.cost_model.name or 'given'}).\n"
+               "MB/device: what one device receives for the leaf (ring model); Muon MB: "
+               "what Muon's exchange moves for it, all devices together; Muon NS ms: "
+               "Newton–Schulz of one of its matrices where the plan puts it.")
+    if not sharded:
+      header, body = header[:-2], [row[:-2] for row in body]
+    return _table(header, body, footer, self.notes)
+
+
+def _table(header: tuple[str, ...], body: list[tuple[str, ...]], footer: str,
+           notes: tuple[str, ...]) -> str:
+  widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+  fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+  rule = "  ".join("-" * w for w in widths)
+  return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer, *notes])
 
 
 def _precision(spec: TreeSpec) -> str:
@@ -224,9 +299,14 @@ def _notes(options: MuonOptions, rows: list[LeafSummary], roles: list[str]) -> t
 def summarize(params: Any, tx: Any, *, print_table: bool = False) -> RoutingSummary:
   """Shows, per leaf, which optimizer ``tx`` applies and what NS costs there.
 
+  For Dion (``dion``, ``scale_by_dion``) the rows give each matrix's rank and Dion's
+  FLOPs, received bytes and modelled time per device, beside what Muon's plan would move
+  and compute for it (``muon`` with the same arguments).
+
   Args:
     params: the params (arrays or ``jax.ShapeDtypeStruct`` objects).
-    tx: a transformation that contains ``muon`` or ``scale_by_muon`` (directly or inside
+    tx: a transformation that contains ``muon``, ``scale_by_muon``, ``dion`` or
+      ``scale_by_dion`` (directly or inside
       ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
       ``optax.apply_if_finite``, ...), or an ``nnx.Optimizer``.
     print_table: also print the table.
@@ -250,9 +330,46 @@ def summarize(params: Any, tx: Any, *, print_table: bool = False) -> RoutingSumm
     1 leaf on Muon, 1 on AdamW; NS 0.016 GFLOP per step.
     Newton–Schulz products: float32 at full precision (Precision.HIGHEST).
   """
-  options = find_muon_options(tx, params)
-  spec = tree_spec(params, options)
+  found = find_reported(tx, params)
+  if isinstance(found, DionSettings):
+    return _dion_summary(params, found, print_table)
+  spec = tree_spec(params, found)
   return _summary(params, spec, print_table)
+
+
+#: Muon's default Newton–Schulz steps: the comparison in Dion's summary.
+_MUON_NS_STEPS = resolve_coefficients("jordan", None, None).steps
+
+
+def _dion_summary(params: Any, settings: DionSettings, print_table: bool) -> RoutingSummary:
+  """Muon's summary of the same tree with Dion's figures in the Muon leaves' rows."""
+  muon = _summary(params, tree_spec(params, dataclasses.replace(
+      settings.options, ns_steps=_MUON_NS_STEPS)), False)
+  spec = tree_spec(params, settings.options)
+  matrices = dict(zip(spec.muon_positions, settings.matrices(spec, params)))
+  leaf_rows = iter(muon.rows)
+  rows, leaf_costs = [], []
+  for i, leaf in enumerate(spec.leaves):
+    if leaf is None:
+      continue
+    row = next(leaf_rows)
+    if i in matrices:
+      cost = dion_cost(matrices[i], np.dtype(moment_dtype(leaf.dtype)).itemsize)
+      leaf_costs.append(cost)
+      wire = np.dtype(spec.ns.compute_dtype or moment_dtype(leaf.dtype)).itemsize
+      shards = (math.prod(leaf.sharding.shards(d) for d in range(len(leaf.shape)))
+                if leaf.sharding is not None else 1)
+      row = dataclasses.replace(
+          row, ns_flops=None, rank=matrices[i].rank, flops_per_device=cost.flops,
+          received_bytes=cost.received_bytes, seconds=cost.seconds(muon.cost_model),
+          muon_bytes=2 * math.prod(leaf.shape) * wire * (shards - 1) / shards)
+    rows.append(row)
+  notes = tuple(n for n in muon.notes if not n.startswith("Newton–Schulz products"))
+  summary = RoutingSummary(tuple(rows), muon.plan, notes, muon.cost_model, dion=True,
+                           dion_seconds=step_seconds(leaf_costs, muon.cost_model))
+  if print_table:
+    print(summary)
+  return summary
 
 
 def _summary(params: Any, spec: TreeSpec, print_table: bool) -> RoutingSummary:

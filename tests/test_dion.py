@@ -340,3 +340,33 @@ def _compare_to_single_device(updates, reference, fraction):
   for path, u in got.items():
     square = u.ndim >= 2 and u.shape[-1] == u.shape[-2]
     assert rel_err(u, want[path]) < (2e-4 if fraction == 1 and square else 1e-5), path
+
+
+@pytest.mark.parametrize("case,fraction,tolerance", [
+    ("fsdp8-2-layers", 0.25, 1.0),
+    pytest.param("fsdp8-2-layers", 1.0, 1.0, marks=pytest.mark.slow),
+    pytest.param("fsdp4xtp2", 1.0, 1.2, marks=pytest.mark.slow),
+])
+def test_summary_models_the_compiled_collectives(case, fraction, tolerance):
+  """``summarize`` of ``dion``: each Muon leaf's rank and Dion's figures, beside Muon's plan
+  for the same mesh; the modelled bytes a device receives equal the compiled program's
+  (ring model) on FSDP, and are within 1.2× on FSDP × TP (XLA adds reshards there)."""
+  _, _, compiled, params, _, _ = _sharded_run(case, AxisType.Explicit, fraction, steps=1)
+  summary = om.summarize(params, optax.chain(optax.clip_by_global_norm(1.0),
+                                             om.dion(0.1, rank_fraction=fraction)))
+  rows = {r.path: r for r in summary.by_optimizer("muon")}
+  assert set(rows) == {p for p in _by_path(params) if p.split("/")[-1] in MATRICES}
+  for path, row in rows.items():
+    layout = make_layout(path, _by_path(params)[path], None)
+    assert row.rank == rank_of(fraction, layout), path
+    assert row.ns_flops is None and row.flops_per_device > 0 and row.seconds > 0, path
+    assert row.muon_bytes == pytest.approx(2 * 4 * math.prod(row.shape) * 7 / 8), path
+  modelled = sum(r.received_bytes for r in rows.values())
+  received = hlo_cost.analyze(compiled, 8).received_bytes
+  assert received <= tolerance * modelled and modelled <= received, (received, modelled)
+  text = str(summary)
+  assert "on Dion" in text and "Muon's plan for the same tree and mesh" in text
+  assert summary.plan is not None and summary.plan.sharded
+  single = om.summarize(gpt_tree(D, 1), om.dion(0.1, rank_fraction=fraction))
+  assert all(r.received_bytes == 0 for r in single.by_optimizer("muon"))
+  assert "Muon's plan" not in str(single)
