@@ -70,6 +70,45 @@ def check(params, cost_model, process_id: int, name: str, interleave: bool = Fal
           assert len({d.process_index for d in members}) == 2
 
 
+def check_dion(params, process_id: int) -> None:
+  """Two steps of Dion (rank fractions 1/4 and 1) on FSDP × TP over both processes'
+  devices == one process's update."""
+  rng = np.random.default_rng(8)
+  grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
+           for _ in range(2)]
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  # tp pairs a device of each process: every product's partial sums cross processes.
+  mesh = jax.sharding.Mesh(np.array([d for pair in zip(devices[:4], devices[4:])
+                                     for d in pair]).reshape(4, 2), ("fsdp", "tp"),
+                           axis_types=(AxisType.Explicit,) * 2)
+  specs = jax.tree.map(lambda x: P("fsdp", "tp") if x.ndim == 2 else P(), params)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  put = lambda tree: jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
+      shardings)
+  worst = 0.0
+  for fraction in (0.25, 1.0):
+    tx = optax_muon.dion(0.1, rank_fraction=fraction)
+    state = tx.init(params)
+    for g in grads:
+      reference, state = jax.jit(tx.update)(g, state, params)
+    sharded_params = put(params)
+    with jax.set_mesh(mesh):
+      state = jax.jit(tx.init)(sharded_params)
+      for g in grads:
+        updates, state = jax.jit(tx.update)(put(g), state, sharded_params)
+    gathered = multihost_utils.process_allgather(updates, tiled=True)
+    for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)):
+      b = np.asarray(b)
+      # Square matrices at full rank: see test_dion._compare_to_single_device.
+      tolerance = 2e-4 if fraction == 1 and b.ndim == 2 and b.shape[0] == b.shape[1] else 1e-5
+      error = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+      worst = max(worst, error / tolerance * 1e-5)
+      assert error < tolerance, (fraction, b.shape, error)
+  print(f"MULTIHOST dion process {process_id}: max relative difference {worst:.2e} "
+        "(scaled to a 1e-5 tolerance)", flush=True)
+
+
 def main(port: str, process_id: int) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
@@ -78,6 +117,7 @@ def main(port: str, process_id: int) -> None:
   # One layer with free communication: teams split the matrices across the processes.
   free = optax_muon.CostModel(1e12, float("inf"), 0.0)
   check(jax.tree.map(np.asarray, gpt_tree(32, 1)), free, process_id, "teams", interleave=True)
+  check_dion(jax.tree.map(np.asarray, gpt_tree(32, 2)), process_id)
   jax.distributed.shutdown()
 
 

@@ -20,8 +20,9 @@ TEAMS = om.ShardingOptions(cost_model=om.CostModel(1e12, float("inf"), 0.0))
 
 @pytest.mark.parametrize("variants, layers", [
     ({}, 4), ({"normalization": om.NorMuon(), "cautious_weight_decay": True}, 4),
-    ({"sharding": TEAMS}, 1)])
+    ({"sharding": TEAMS}, 1), ({"rank_fraction": 0.25}, 2)])
 def test_restore_continues_bit_identically(tmp_path, variants, layers):
+  """Muon (whole matrices, NorMuon with cautious decay, teams) and Dion (rank_fraction)."""
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   params = gpt_tree(32, layers)
   shardings = jax.tree.map(
@@ -29,8 +30,9 @@ def test_restore_continues_bit_identically(tmp_path, variants, layers):
   params = jax.tree.map(jax.device_put, params, shardings)
   grads = [jax.tree.map(jax.device_put, random_like(params, 20 + t), shardings)
            for t in range(4)]
-  tx = om.muon(optax.linear_schedule(0.05, 0.01, 4), weight_decay=0.01, mu_dtype="bfloat16",
-               **variants)
+  optimizer = om.dion if "rank_fraction" in variants else om.muon
+  tx = optimizer(optax.linear_schedule(0.05, 0.01, 4), weight_decay=0.01, mu_dtype="bfloat16",
+                 **variants)
 
   plan = om.summarize(params, tx).plan
   assert any(ex.teams for g in plan.groups for ex in g.exchanges) == ("sharding" in variants)

@@ -297,7 +297,6 @@ def test_compiled_collectives_are_small(case, fraction):
 @pytest.mark.parametrize("case,fraction", [
     ("fsdp8", 0.5),
     pytest.param("fsdp4xtp2", 1.0, marks=pytest.mark.slow),
-    pytest.param("fsdp4xtp2", 0.25, marks=pytest.mark.slow),
 ])
 def test_shard_map_equals_single_device(case, fraction):
   """``dion`` inside the user's jitted ``shard_map`` (local blocks in, ``psum``s and, at
@@ -344,7 +343,6 @@ def _compare_to_single_device(updates, reference, fraction):
 
 @pytest.mark.parametrize("case,fraction,tolerance", [
     ("fsdp8-2-layers", 0.25, 1.0),
-    pytest.param("fsdp8-2-layers", 1.0, 1.0, marks=pytest.mark.slow),
     pytest.param("fsdp4xtp2", 1.0, 1.2, marks=pytest.mark.slow),
 ])
 def test_summary_models_the_compiled_collectives(case, fraction, tolerance):

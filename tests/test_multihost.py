@@ -1,5 +1,5 @@
-"""The sharded update in 2 processes × 4 CPU devices (jax.distributed, gloo) equals the
-single-process result."""
+"""The sharded update (Muon, Dion) in 2 processes × 4 CPU devices (jax.distributed, gloo)
+equals the single-process result."""
 
 import os
 import pathlib
@@ -36,5 +36,6 @@ def test_two_processes_match_single_process():
       p.kill()
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, out[-3000:]
-    for name in ("whole", "teams"):  # whole matrices, and matrices split over teams
+    # Muon with whole matrices and with teams; Dion.
+    for name in ("whole", "teams", "dion"):
       assert f"MULTIHOST {name} process {i}: max relative difference" in out, out[-3000:]
