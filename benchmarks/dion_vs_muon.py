@@ -8,8 +8,9 @@ For the Llama-7B-like tree on FSDP meshes of 8 to 256 devices and FSDP 32 × TP 
   Schulz at bfloat16 or float32 (exchanged at that dtype), its busiest device's modelled
   time (exchanges and NS) and received bytes.
 - Dion at rank fractions 1, 1/4, 1/16, 1/64: ``optax_muon.dion_costs`` per leaf (products
-  on local blocks at float32, as ``dion`` computes them; the partial sums all-reduced),
-  each kind of collective combined over the leaves (``step_seconds``).
+  on local blocks at float32, as ``dion`` computes them by default, and at the bfloat16
+  rate of ``product_dtype="bfloat16"``; the partial sums all-reduced), each kind of
+  collective combined over the leaves (``step_seconds``).
 
   python benchmarks/dion_vs_muon.py                  # H100 and TPU v5p profiles
   python benchmarks/dion_vs_muon.py --profiles tpu_v5e
@@ -22,6 +23,7 @@ import math
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -82,7 +84,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
       for fraction in RANKS:
         seconds, received = dion_step(leaves, specs, dims, mesh_shape, names, fraction,
                                       model.for_dtype(np.float32))
+        low, _ = dion_step(leaves, specs, dims, mesh_shape, names, fraction,
+                           model.for_dtype(jnp.bfloat16))
         row[f"Dion r={fraction:g} ms"] = seconds * 1e3
+        row[f"Dion r={fraction:g} bf16 ms"] = low * 1e3
         row[f"Dion r={fraction:g} MB"] = received / 1e6
       rows.append(row)
       print(f"{row['tree']} on {row['mesh']} ({profile}) done", file=sys.stderr, flush=True)

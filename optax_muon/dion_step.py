@@ -66,6 +66,8 @@ class DionMatrix:
     dim_axes: per axis of ``view``, the mesh axes that split it (empty without sharding).
     mesh: the mesh, or None without sharding.
     manual: whether the arrays are local blocks (inside ``shard_map``).
+    product_dtype: the operands' dtype of the four m × n × r products (accumulated in the
+      state's dtype), or None: the state's dtype at full precision.
   """
 
   path: str
@@ -79,10 +81,12 @@ class DionMatrix:
   dim_axes: tuple[tuple[str, ...], ...]
   mesh: Any = None
   manual: bool = False
+  product_dtype: Any = None
 
   @classmethod
   def of(cls, layout: MatrixLayout, sharding: LeafSharding | None, rank: int,
-         oversample: float = OVERSAMPLE, manual: bool = False) -> DionMatrix:
+         oversample: float = OVERSAMPLE, manual: bool = False,
+         product_dtype: Any = None) -> DionMatrix:
     rows, cols = layout.reduction_axes, layout.output_axes
     if layout.transposed:
       rows, cols = cols, rows
@@ -94,7 +98,8 @@ class DionMatrix:
     return cls(layout.path, perm, tuple(layout.shape[a] for a in perm),
                len(layout.batch_axes), len(rows), len(cols), rank,
                math.ceil(oversample * rank), dim_axes,
-               None if sharding is None else sharding.mesh, manual and sharding is not None)
+               None if sharding is None else sharding.mesh, manual and sharding is not None,
+               product_dtype)
 
   @property
   def b(self) -> str:
@@ -194,21 +199,25 @@ class DionMatrix:
       return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def einsum(self, subscripts: str, a: jax.Array, b: jax.Array, spec: PartitionSpec
-             ) -> jax.Array:
+  def einsum(self, subscripts: str, a: jax.Array, b: jax.Array, spec: PartitionSpec,
+             large: bool = False) -> jax.Array:
     """``jnp.einsum`` whose output lies by ``spec``: contracted sharded axes are summed
-    over their devices, nothing is gathered."""
+    over their devices, nothing is gathered. ``large``: one of the four m × n × r
+    products, whose operands go in at ``product_dtype`` where one is set."""
+    kwargs = dict(precision=_HIGHEST)
+    if large and self.product_dtype is not None:
+      kwargs = dict(preferred_element_type=a.dtype)
+      a, b = a.astype(self.product_dtype), b.astype(self.product_dtype)
     if self.mesh is None:
-      return jnp.einsum(subscripts, a, b, precision=_HIGHEST)
+      return jnp.einsum(subscripts, a, b, **kwargs)
     if self.manual:
       inputs, output = subscripts.split("->")
       contracted = "".join(sorted(set(inputs.replace(",", "")) - set(output)))
-      return self.summed(jnp.einsum(subscripts, a, b, precision=_HIGHEST),
-                         self._dims_of(contracted))
+      return self.summed(jnp.einsum(subscripts, a, b, **kwargs), self._dims_of(contracted))
     if self.explicit:
-      return jnp.einsum(subscripts, a, b, precision=_HIGHEST,
-                        out_sharding=NamedSharding(self.mesh, spec))
-    return self.placed(jnp.einsum(subscripts, a, b, precision=_HIGHEST), spec)
+      return jnp.einsum(subscripts, a, b, out_sharding=NamedSharding(self.mesh, spec),
+                        **kwargs)
+    return self.placed(jnp.einsum(subscripts, a, b, **kwargs), spec)
 
   def per_block(self, fn, x: jax.Array) -> jax.Array:
     """``fn`` of a (batch…, a, b) array that is whole on every device but for its batch
@@ -345,13 +354,14 @@ def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
   q_spec = _q_spec(matrix)
   m = jnp.transpose(momentum, matrix.perm) + jnp.transpose(grad, matrix.perm).astype(
       momentum.dtype)
-  p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", m, q, p_spec)
+  p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", m, q, p_spec, large=True)
   p = orthonormalize(p, key, matrix)
-  r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec)
-  new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec)
+  r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec, large=True)
+  new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec,
+                                         large=True)
   norms = column_norms(r, matrix)
   unit = r / jnp.where(norms > 0, norms, 1)  # a zero column stays zero
-  direction = matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, unit, m_spec)
+  direction = matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, unit, m_spec, large=True)
   new_q = jnp.where(norms > 0, unit, q)
   return (jnp.transpose(direction, back), jnp.transpose(new_m, back).astype(momentum.dtype),
           new_q)

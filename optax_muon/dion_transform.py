@@ -38,15 +38,17 @@ class DionSettings:
     options: the routing, dimension numbers and shardings (as ``muon`` takes them).
     rank_fraction: the frozen per-leaf rank fractions.
     oversample: sketch rows per unit of rank.
+    product_dtype: the dtype of the large products' operands, or None.
   """
 
   options: MuonOptions
   rank_fraction: Any
   oversample: float
+  product_dtype: Any = None
 
   def matrices(self, spec: TreeSpec, tree: Any) -> list[DionMatrix]:
     """Each Muon leaf's ``DionMatrix`` (``spec`` built from ``options``)."""
-    return _matrices(spec, tree, self.rank_fraction, self.oversample)
+    return _matrices(spec, tree, self.rank_fraction, self.oversample, self.product_dtype)
 
 
 class DionState(NamedTuple):
@@ -69,8 +71,8 @@ def _check_fraction(value: Any, where: str) -> None:
     raise ValueError(f"{where}: rank_fraction must be a number in (0, 1], got {value!r}.")
 
 
-def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float
-              ) -> list[DionMatrix]:
+def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float,
+              product_dtype: Any = None) -> list[DionMatrix]:
   """Each Muon leaf's ``DionMatrix``, its rank from ``rank_fraction``.
 
   Raises:
@@ -87,13 +89,13 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float
     fraction = 1.0 if fractions[i] is None else fractions[i]
     _check_fraction(fraction, leaf.path)
     out.append(DionMatrix.of(leaf.layout, leaf.sharding, rank_of(fraction, leaf.layout),
-                             oversample, spec.manual))
+                             oversample, spec.manual, product_dtype))
   return out
 
 
 def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversample: float,
-                   seed: int, warnings: OncePerTransformation | None = None
-                   ) -> optax.GradientTransformationExtraArgs:
+                   seed: int, warnings: OncePerTransformation | None = None,
+                   product_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
   """Dion's direction P·Qᵀ for every Muon leaf it receives.
 
   Args:
@@ -104,17 +106,18 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
     oversample: sketch rows per unit of rank.
     seed: seeds Q's initial values and the sketches.
     warnings: where ``init`` issues the spec's warnings (``dion`` issues its own).
+    product_dtype: see ``scale_by_dion``.
   """
   received = branch_options(options)
   base = jax.random.key(seed)
 
   def init_fn(params):
-    report_options(DionSettings(options, rank_fraction, oversample))
+    report_options(DionSettings(options, rank_fraction, oversample, product_dtype))
     spec = tree_spec(params, received)
     if warnings is not None:
       warnings.warn(spec.notices)
     leaves = spec.take(params)
-    matrices = _matrices(spec, params, rank_fraction, oversample)
+    matrices = _matrices(spec, params, rank_fraction, oversample, product_dtype)
     momentum, q = [], []
     for k, (x, leaf, matrix) in enumerate(zip(leaves, spec.muon_leaves, matrices)):
       dtype = moment_dtype(x.dtype)
@@ -127,7 +130,7 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
     del params, extra_args
     check_same_shapes(updates, state.momentum, "the optimizer state (made from the params)")
     spec = tree_spec(updates, received)
-    matrices = _matrices(spec, updates, rank_fraction, oversample)
+    matrices = _matrices(spec, updates, rank_fraction, oversample, product_dtype)
     count = optax.safe_increment(state.count)
     step_key = jax.random.fold_in(base, count)
     out, momentum, q = [], [], []
@@ -148,6 +151,24 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _product_dtype(dtype: Any) -> Any:
+  """``dtype`` as a NumPy dtype (None stays None).
+
+  Raises:
+    ValueError: for a dtype that is not a real floating-point one.
+  """
+  if dtype is None:
+    return None
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError:
+    resolved = None
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(f"product_dtype must be a floating-point dtype such as 'bfloat16' or "
+                     f"None, got {dtype!r}.")
+  return resolved
+
+
 def _freeze_fraction(rank_fraction: Any) -> Any:
   if _is_fraction(rank_fraction):
     _check_fraction(rank_fraction, "rank_fraction")
@@ -162,6 +183,7 @@ def scale_by_dion(
     param_shardings: Any = None,
     oversample: float = OVERSAMPLE,
     seed: int = 0,
+    product_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion's direction: a rank-r orthonormal update by warm-started power iteration.
 
@@ -188,6 +210,10 @@ def scale_by_dion(
       Explicit meshes the leaves' types carry them.
     oversample: sketch rows per unit of rank in the orthonormalization, at least 1.
     seed: seeds Q's initial values (per leaf) and the sketches (per step and leaf).
+    product_dtype: the operands' dtype of the four m × n × r products (M·Q, Mᵀ·P, P·Rᵀ,
+      P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs them at the device's
+      bfloat16 rate. None (default): the state's dtype at full precision. The
+      orthonormalization always runs in the state's dtype.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a ``DionState``.
@@ -219,7 +245,7 @@ def scale_by_dion(
   options = MuonOptions(0, weight_dimension_numbers=weight_dimension_numbers,
                         param_shardings=param_shardings)
   return dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed,
-                        OncePerTransformation())
+                        OncePerTransformation(), _product_dtype(product_dtype))
 
 
 def dion(
@@ -247,6 +273,7 @@ def dion(
     qk_clip: QKClip | None = None,
     oversample: float = OVERSAMPLE,
     seed: int = 0,
+    product_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion for the network's matrices, AdamW (NAdamW with ``nesterov``) for the rest.
 
@@ -268,7 +295,7 @@ def dion(
     adam_learning_rate, adam_weight_decay_mask: as in ``muon``.
     muon_weight_dimension_numbers, consistent_rms, scale, routing: as in ``muon``.
     param_shardings, cautious_weight_decay, qk_clip: as in ``muon``.
-    oversample, seed: see ``scale_by_dion``.
+    oversample, seed, product_dtype: see ``scale_by_dion``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose matrix branch's state is a
@@ -307,7 +334,8 @@ def dion(
       consistent_rms=static_or_injected(consistent_rms),
       cautious_weight_decay=cautious_weight_decay,
       qk_clip=check_option("qk_clip", qk_clip, QKClip))
-  direction = dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed)
+  direction = dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed,
+                             product_dtype=_product_dtype(product_dtype))
   return matrices_and_adam(
       direction, options, learning_rate=learning_rate, consistent_rms=consistent_rms,
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,

@@ -347,6 +347,9 @@ def _dion_summary(params: Any, settings: DionSettings, print_table: bool) -> Rou
       settings.options, ns_steps=_MUON_NS_STEPS)), False)
   spec = tree_spec(params, settings.options)
   matrices = dict(zip(spec.muon_positions, settings.matrices(spec, params)))
+  base = settings.options.sharding.cost_model or costs.default_cost_model(
+      costs.mesh_devices(spec.mesh))
+  model = base.for_dtype(settings.product_dtype or np.float32)
   leaf_rows = iter(muon.rows)
   rows, leaf_costs = [], []
   for i, leaf in enumerate(spec.leaves):
@@ -361,12 +364,12 @@ def _dion_summary(params: Any, settings: DionSettings, print_table: bool) -> Rou
                 if leaf.sharding is not None else 1)
       row = dataclasses.replace(
           row, ns_flops=None, rank=matrices[i].rank, flops_per_device=cost.flops,
-          received_bytes=cost.received_bytes, seconds=cost.seconds(muon.cost_model),
+          received_bytes=cost.received_bytes, seconds=cost.seconds(model),
           muon_bytes=2 * math.prod(leaf.shape) * wire * (shards - 1) / shards)
     rows.append(row)
   notes = tuple(n for n in muon.notes if not n.startswith("Newton–Schulz products"))
   summary = RoutingSummary(tuple(rows), muon.plan, notes, muon.cost_model, dion=True,
-                           dion_seconds=step_seconds(leaf_costs, muon.cost_model))
+                           dion_seconds=step_seconds(leaf_costs, model))
   if print_table:
     print(summary)
   return summary

@@ -394,3 +394,20 @@ def test_summary_models_the_compiled_collectives(case, fraction, tolerance):
   single = om.summarize(gpt_tree(D, 1), om.dion(0.1, rank_fraction=fraction))
   assert all(r.received_bytes == 0 for r in single.by_optimizer("muon"))
   assert "Muon's plan" not in str(single)
+
+
+def test_bfloat16_products():
+  """``product_dtype="bfloat16"``: the four large products take bfloat16 operands (seen in
+  the jaxpr) and the update stays within bfloat16 rounding of the float32 one; other
+  dtypes are refused."""
+  params = {"w": jnp.zeros((32, 64))}
+  grads = [{"w": jax.random.normal(jax.random.key(t), (32, 64))} for t in range(3)]
+  full, _ = _run(om.scale_by_dion(0.5), params, grads)
+  tx = om.scale_by_dion(0.5, product_dtype="bfloat16")
+  low, _ = _run(tx, params, grads)
+  assert 1e-4 < rel_err(low["w"], full["w"]) < 3e-2
+  state = tx.init(params)
+  jaxpr = str(jax.make_jaxpr(tx.update)(grads[0], state))
+  assert jaxpr.count("preferred_element_type=float32") >= 4 and "bf16" in jaxpr
+  with pytest.raises(ValueError, match="product_dtype must be a floating-point dtype"):
+    om.dion(0.1, product_dtype="int8")
