@@ -56,13 +56,12 @@ def _all_gather(nbytes: float, group: int) -> float:
   return nbytes * (group - 1) / group
 
 
-def dion_cost(matrix: DionMatrix, itemsize: int = 4, look_ahead: bool = False) -> DionCost:
+def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
   """The cost of one Dion step of ``matrix``'s leaf on one device.
 
   Args:
     matrix: the leaf's static facts (its view, rank and sharding).
     itemsize: bytes per value of the state (float32: 4).
-    look_ahead: Nesterov's look-ahead (one more product Mᵀ·P and its sum).
 
   Returns:
     A ``DionCost``.
@@ -74,12 +73,10 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4, look_ahead: bool = False) -
   m, n, r, k = matrix.m, matrix.n, matrix.rank, matrix.sketch
   m_local, n_local = m / g_r, n / g_c
   # M·Q, Mᵀ·P, P·Rᵀ (error feedback) and P·Qᵀ (the direction), on local blocks.
-  flops = (5 if look_ahead else 4) * 2 * m_local * n_local * r
+  flops = 4 * 2 * m_local * n_local * r
   collectives = [_all_reduce(batch * m_local * r * itemsize, g_c),   # P = M·Q
                  _all_reduce(batch * n_local * r * itemsize, g_r),   # R = Mᵀ·P
                  _all_reduce(batch * r * itemsize, g_c)]             # R's column norms
-  if look_ahead:
-    collectives.append(_all_reduce(batch * n_local * r * itemsize, g_r))
   if m <= k:  # P's rows gathered, Householder QR on every device
     flops += 4 * m * r * r
     collectives.append(_all_gather(batch * m * r * itemsize, g_r))

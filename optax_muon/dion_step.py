@@ -332,14 +332,9 @@ def orthonormalize(p: jax.Array, key: jax.Array, matrix: DionMatrix) -> jax.Arra
 
 
 def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
-              key: jax.Array, matrix: DionMatrix, look_ahead: bool = False
+              key: jax.Array, matrix: DionMatrix
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One Dion step of one leaf.
-
-  With ``look_ahead`` the power iteration and the update use X = G + μ·M, Nesterov's
-  look-ahead, in M's place (at full rank the update then tends to Muon's with Nesterov
-  momentum), while the error feedback still removes (1 − μ)·P·(Mᵀ·P)ᵀ from M: one more
-  m × n × r product and one more n × r sum than Dion.
 
   Args:
     grad: the gradient, the leaf's shape.
@@ -348,7 +343,6 @@ def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
     beta: μ, the momentum decay; may be traced.
     key: the sketch's key for this step and leaf.
     matrix: the leaf's static facts.
-    look_ahead: see above.
 
   Returns:
     (direction P·Qᵀ in the leaf's shape and the state's dtype, new B, new Q).
@@ -360,16 +354,10 @@ def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
   q_spec = _q_spec(matrix)
   m = jnp.transpose(momentum, matrix.perm) + jnp.transpose(grad, matrix.perm).astype(
       momentum.dtype)
-  if look_ahead:  # X = G + μ·M, with G = M − B in the state's dtype
-    x = (m - jnp.transpose(momentum, matrix.perm)) + beta * m
-  else:
-    x = m
-  p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", x, q, p_spec, large=True)
+  p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", m, q, p_spec, large=True)
   p = orthonormalize(p, key, matrix)
-  r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", x, p, q_spec, large=True)
-  r_m = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec,
-                      large=True) if look_ahead else r
-  new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r_m, m_spec,
+  r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec, large=True)
+  new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec,
                                          large=True)
   norms = column_norms(r, matrix)
   unit = r / jnp.where(norms > 0, norms, 1)  # a zero column stays zero

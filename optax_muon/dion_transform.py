@@ -39,14 +39,12 @@ class DionSettings:
     rank_fraction: the frozen per-leaf rank fractions.
     oversample: sketch rows per unit of rank.
     product_dtype: the dtype of the large products' operands, or None.
-    look_ahead: whether the update uses Nesterov's look-ahead.
   """
 
   options: MuonOptions
   rank_fraction: Any
   oversample: float
   product_dtype: Any = None
-  look_ahead: bool = False
 
   def matrices(self, spec: TreeSpec, tree: Any) -> list[DionMatrix]:
     """Each Muon leaf's ``DionMatrix`` (``spec`` built from ``options``)."""
@@ -97,8 +95,7 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float,
 
 def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversample: float,
                    seed: int, warnings: OncePerTransformation | None = None,
-                   product_dtype: Any = None, look_ahead: bool = False
-                   ) -> optax.GradientTransformationExtraArgs:
+                   product_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
   """Dion's direction P·Qᵀ for every Muon leaf it receives.
 
   Args:
@@ -109,14 +106,13 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
     oversample: sketch rows per unit of rank.
     seed: seeds Q's initial values and the sketches.
     warnings: where ``init`` issues the spec's warnings (``dion`` issues its own).
-    product_dtype, look_ahead: see ``scale_by_dion``.
+    product_dtype: see ``scale_by_dion``.
   """
   received = branch_options(options)
   base = jax.random.key(seed)
 
   def init_fn(params):
-    report_options(DionSettings(options, rank_fraction, oversample, product_dtype,
-                                look_ahead))
+    report_options(DionSettings(options, rank_fraction, oversample, product_dtype))
     spec = tree_spec(params, received)
     if warnings is not None:
       warnings.warn(spec.notices)
@@ -145,8 +141,7 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
         momentum.append(b)
         q.append(q_old)
         continue
-      d, b, q_new = dion_step(g, b, q_old, beta, jax.random.fold_in(step_key, k), matrix,
-                              look_ahead)
+      d, b, q_new = dion_step(g, b, q_old, beta, jax.random.fold_in(step_key, k), matrix)
       out.append(d.astype(g.dtype))
       momentum.append(b)
       q.append(q_new)
@@ -189,7 +184,6 @@ def scale_by_dion(
     oversample: float = OVERSAMPLE,
     seed: int = 0,
     product_dtype: jax.typing.DTypeLike | None = None,
-    look_ahead: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion's direction: a rank-r orthonormal update by warm-started power iteration.
 
@@ -220,10 +214,6 @@ def scale_by_dion(
       P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs them at the device's
       bfloat16 rate. None (default): the state's dtype at full precision. The
       orthonormalization always runs in the state's dtype.
-    look_ahead: Nesterov's look-ahead, not part of the published algorithm: the power
-      iteration and the update use X = G + μ·M in M's place (at full rank the update tends
-      to Muon's with Nesterov momentum) and the error feedback still acts on M, at one more
-      m × n × r product and one more n × r sum per matrix.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a ``DionState``.
@@ -255,8 +245,7 @@ def scale_by_dion(
   options = MuonOptions(0, weight_dimension_numbers=weight_dimension_numbers,
                         param_shardings=param_shardings)
   return dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed,
-                        OncePerTransformation(), _product_dtype(product_dtype),
-                        bool(look_ahead))
+                        OncePerTransformation(), _product_dtype(product_dtype))
 
 
 def dion(
@@ -285,7 +274,6 @@ def dion(
     oversample: float = OVERSAMPLE,
     seed: int = 0,
     product_dtype: jax.typing.DTypeLike | None = None,
-    look_ahead: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion for the network's matrices, AdamW (NAdamW with ``nesterov``) for the rest.
 
@@ -307,7 +295,7 @@ def dion(
     adam_learning_rate, adam_weight_decay_mask: as in ``muon``.
     muon_weight_dimension_numbers, consistent_rms, scale, routing: as in ``muon``.
     param_shardings, cautious_weight_decay, qk_clip: as in ``muon``.
-    oversample, seed, product_dtype, look_ahead: see ``scale_by_dion``.
+    oversample, seed, product_dtype: see ``scale_by_dion``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose matrix branch's state is a
@@ -347,8 +335,7 @@ def dion(
       cautious_weight_decay=cautious_weight_decay,
       qk_clip=check_option("qk_clip", qk_clip, QKClip))
   direction = dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed,
-                             product_dtype=_product_dtype(product_dtype),
-                             look_ahead=bool(look_ahead))
+                             product_dtype=_product_dtype(product_dtype))
   return matrices_and_adam(
       direction, options, learning_rate=learning_rate, consistent_rms=consistent_rms,
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,

@@ -357,8 +357,7 @@ def _dion_summary(params: Any, settings: DionSettings, print_table: bool) -> Rou
       continue
     row = next(leaf_rows)
     if i in matrices:
-      cost = dion_cost(matrices[i], np.dtype(moment_dtype(leaf.dtype)).itemsize,
-                       settings.look_ahead)
+      cost = dion_cost(matrices[i], np.dtype(moment_dtype(leaf.dtype)).itemsize)
       leaf_costs.append(cost)
       wire = np.dtype(spec.ns.compute_dtype or moment_dtype(leaf.dtype)).itemsize
       shards = (math.prod(leaf.sharding.shards(d) for d in range(len(leaf.shape)))

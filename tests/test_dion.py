@@ -61,17 +61,15 @@ def test_full_rank_converges_to_svd_polar_factor():
     assert np.all(np.abs(s - 1) < 1e-3), (name, s.min(), s.max())
 
 
-@pytest.mark.parametrize("fraction,look_ahead", [(1.0, False), (0.5, False), (0.125, False),
-                                                 (0.5, True)])
-def test_matches_a_float64_reference_of_the_algorithm(fraction, look_ahead):
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.125])
+def test_matches_a_float64_reference_of_the_algorithm(fraction):
   """20 steps of ``scale_by_dion`` (float32, randomized Cholesky-QR at rank < 1) on drifting
   gradients equal the algorithm written out in float64 NumPy with Householder QR, from the
   same initial Q: both orthonormalizations are P·T with T upper triangular, so they agree
-  up to column signs, which the update and the buffer do not see. ``look_ahead``: the
-  iteration on X = G + μ·M, the error feedback on M."""
+  up to column signs, which the update and the buffer do not see."""
   rng = np.random.default_rng(0)
   m, n, beta = 32, 64, 0.9
-  tx = om.scale_by_dion(fraction, beta=beta, look_ahead=look_ahead)
+  tx = om.scale_by_dion(fraction, beta=beta)
   state = tx.init({"w": jnp.zeros((m, n))})
   q = np.asarray(state.q["w"], np.float64)  # n × r: the long side
   buffer, base = np.zeros((m, n)), rng.standard_normal((m, n))
@@ -80,10 +78,9 @@ def test_matches_a_float64_reference_of_the_algorithm(fraction, look_ahead):
     g = base + 0.3 * rng.standard_normal((m, n))
     got, state = update({"w": jnp.asarray(g, jnp.float32)}, state)
     momentum = buffer + g
-    x = g + beta * momentum if look_ahead else momentum
-    p, _ = np.linalg.qr(x @ q)
-    r = x.T @ p
-    buffer = momentum - (1 - beta) * p @ (momentum.T @ p).T
+    p, _ = np.linalg.qr(momentum @ q)
+    r = momentum.T @ p
+    buffer = momentum - (1 - beta) * p @ r.T
     q = r / np.linalg.norm(r, axis=0, keepdims=True)
     want = p @ q.T
     assert np.max(np.abs(np.asarray(got["w"]) - want)) < 5e-4 * np.max(np.abs(want))
@@ -225,9 +222,9 @@ CASES = {
 }
 
 
-def _sharded_run(case, axis_type, fraction, steps=2, **options):
+def _sharded_run(case, axis_type, fraction, steps=2):
   """(updates, state, compiled update, sharded params, shardings) for ``case``, and the
-  single-device updates; ``options`` go to ``dion``."""
+  single-device updates."""
   shape, names, layers, specs_fn = CASES[case]
   stacked = layers is True
   params = gpt_tree(D, 8 if stacked else layers, stacked=stacked)
@@ -237,13 +234,13 @@ def _sharded_run(case, axis_type, fraction, steps=2, **options):
   dims = muon_dims(params, adam=("embed", "lm_head")) if stacked else None
   grads = [random_like(params, 10 + t) for t in range(steps)]
   reference, _ = _run(om.dion(0.1, rank_fraction=fraction,
-                              muon_weight_dimension_numbers=dims, **options), params, grads)
+                              muon_weight_dimension_numbers=dims), params, grads)
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   explicit = axis_type == AxisType.Explicit
   tx = om.dion(0.1, rank_fraction=fraction, muon_weight_dimension_numbers=dims,
-               param_shardings=None if explicit else shardings, **options)
+               param_shardings=None if explicit else shardings)
   sharded_params = put(params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded_params)
@@ -253,21 +250,18 @@ def _sharded_run(case, axis_type, fraction, steps=2, **options):
   return updates, state, update, sharded_params, shardings, reference
 
 
-@pytest.mark.parametrize("case,axis_type,options", [
-    ("fsdp8", AxisType.Explicit, {}),
-    pytest.param("fsdp4xtp2", AxisType.Explicit, {"look_ahead": True},
-                 marks=pytest.mark.slow),
-    pytest.param("fsdp8-2-layers", AxisType.Auto, {}, marks=pytest.mark.slow),
-    pytest.param("fsdp8-stacked-layer-axis", AxisType.Explicit, {}, marks=pytest.mark.slow),
+@pytest.mark.parametrize("case,axis_type", [
+    ("fsdp8", AxisType.Explicit),
+    pytest.param("fsdp4xtp2", AxisType.Explicit, marks=pytest.mark.slow),
+    pytest.param("fsdp8-2-layers", AxisType.Auto, marks=pytest.mark.slow),
+    pytest.param("fsdp8-stacked-layer-axis", AxisType.Explicit, marks=pytest.mark.slow),
 ])
-def test_sharded_equals_single_device(case, axis_type, options):
+def test_sharded_equals_single_device(case, axis_type):
   """``dion`` on a GPT-like tree at rank fraction 1/2: equal to one device (1e-5, f32),
   updates and the buffer B sharded like the params, Q like the param's long side
   (replicated elsewhere); the compiled update's collectives as in
-  ``test_compiled_collectives_are_small`` (the look-ahead's bound counts its second n × r
-  sum)."""
-  updates, state, compiled, params, shardings, reference = _sharded_run(case, axis_type, 0.5,
-                                                                        **options)
+  ``test_compiled_collectives_are_small``."""
+  updates, state, compiled, params, shardings, reference = _sharded_run(case, axis_type, 0.5)
   got, want = _by_path(updates), _by_path(reference)
   for path, u in got.items():
     assert rel_err(u, want[path]) < 1e-5, path
@@ -287,26 +281,24 @@ def test_sharded_equals_single_device(case, axis_type, options):
     want_q = P(*entries[:len(shape) - 2], entries[long_axis], None)
     assert q.sharding.is_equivalent_to(NamedSharding(placed[path].mesh, want_q), q.ndim), (
         path, want_q)
-  _check_collectives(compiled, params, 0.5, options.get("look_ahead", False))
+  _check_collectives(compiled, params, 0.5)
 
 
-def _algorithm_bytes(params, fraction, itemsize=4, look_ahead=False):
-  """Σ over the matrices of (m + n)·r·itemsize ((m + 2n)·r·itemsize with the look-ahead's
-  second n × r sum), and the smallest (m + n)·r."""
+def _algorithm_bytes(params, fraction, itemsize=4):
+  """Σ over the matrices of (m + n)·r·itemsize, and the smallest (m + n)·r."""
   total, smallest = 0, math.inf
   for x in jax.tree.leaves(params):
     if x.ndim != 2 or x.shape in ((256, D), (D, 256)):  # embedding and head: AdamW
       continue
     layout = make_layout("w", x, None)
     elements = (layout.n_in + layout.n_out) * rank_of(fraction, layout)
-    extra = max(layout.n_in, layout.n_out) * rank_of(fraction, layout) if look_ahead else 0
-    total, smallest = total + (elements + extra) * itemsize, min(smallest, elements)
+    total, smallest = total + elements * itemsize, min(smallest, elements)
   return total, smallest
 
 
-def _check_collectives(compiled, params, fraction, look_ahead=False):
+def _check_collectives(compiled, params, fraction):
   cost = hlo_cost.analyze(compiled, 8)
-  bound, smallest = _algorithm_bytes(params, fraction, look_ahead=look_ahead)
+  bound, smallest = _algorithm_bytes(params, fraction)
   assert "all-to-all" not in {c.kind for c in cost.collectives}
   gathers = [c.output_bytes // 4 for c in cost.collectives if c.kind == "all-gather"]
   assert all(g <= smallest for g in gathers), (gathers, smallest)
