@@ -14,6 +14,10 @@ environment (they cannot share a process)::
   /tmp/aot-tpu/bin/python benchmarks/aot.py --targets tpu-v5e-16,tpu-v5p-256
   /tmp/aot-gpu/bin/python benchmarks/aot.py --targets gpu-h100-8,gpu-h200-4x8
 
+With ``--dion 0.25,0.0625``, rows of ``optax_muon.dion`` at those rank fractions too
+(products at bfloat16 and at float32), their modelled time and received bytes from
+``summarize`` (``optax_muon.dion_costs``) beside the HLO's.
+
 Per target and tree, one row per optimizer: optax_muon as it plans by default (the cost
 profile of the target's devices, found from their ``device_kind``),
 with teams forced off (prohibitive communication) and forced on (free communication), with
@@ -148,8 +152,11 @@ def target_profile(mesh):
   return costs.profile_of(devices).for_dtype(compute or jnp.float32)
 
 
-def optimizers(mesh, dims, contrib_dims, shardings) -> dict:
-  """The compared optimizers: name → (transformation, the cost model it is given or None)."""
+def optimizers(mesh, dims, contrib_dims, shardings, dion_ranks=(), muon: bool = True
+               ) -> dict:
+  """The compared optimizers: name → (transformation, the cost model it is given or None);
+  ``dion_ranks``: also ``optax_muon.dion`` at these rank fractions (products at bfloat16
+  and at float32); ``muon``: this package's Muon rows."""
   import math  # noqa: PLC0415
 
   import optax  # noqa: PLC0415
@@ -165,7 +172,12 @@ def optimizers(mesh, dims, contrib_dims, shardings) -> dict:
   options["optax_muon, one stage"] = optax_muon.ShardingOptions(exchange_stages=1)
   out = {name: (optax_muon.muon(0.02, muon_weight_dimension_numbers=dims,
                                 param_shardings=shardings, sharding=o),
-                o.cost_model) for name, o in options.items()}
+                o.cost_model) for name, o in options.items()} if muon else {}
+  for fraction in dion_ranks:
+    for dtype in ("bfloat16", None):
+      out[f"dion r={fraction:g}, {dtype or 'float32'} products"] = (optax_muon.dion(
+          0.02, rank_fraction=fraction, muon_weight_dimension_numbers=dims,
+          param_shardings=shardings, product_dtype=dtype), None)
   if contrib_dims is not None:
     out["optax.contrib.muon"] = (optax.contrib.muon(
         0.02, muon_weight_dimension_numbers=contrib_dims), None)
@@ -223,15 +235,25 @@ def row(name: str, tx, model, compiled, seconds: float, params, mesh, target: Ta
                            if ex.teams}) or [1]
     out["stages"] = max(len(s) for g in plan.groups
                         for s in costs.exchange_stages(g.exchanges))
+  if name.startswith("dion"):
+    with jax.set_mesh(mesh):
+      summary = optax_muon.summarize(params, tx)
+    out["profile"] = summary.cost_model.name or "given"
+    out["modelled ms"] = summary.dion_seconds * 1e3
+    out["modelled received MB"] = sum(
+        r.received_bytes for r in summary.by_optimizer("muon")) / 1e6
+    out["Muon plan ms"] = summary.plan.critical_seconds(profile) * 1e3
   return out
 
 
-def measure(target_name: str, tree: str, repeats: int, contrib: bool = True) -> list[dict]:
+def measure(target_name: str, tree: str, repeats: int, contrib: bool = True,
+            dion_ranks=(), muon: bool = True) -> list[dict]:
   """Every optimizer's row for ``target_name`` and ``tree``, compiles alternating."""
   target = TARGETS[target_name]
   mesh = make_mesh(target)
   params, dims, contrib_dims, shardings = llama_tree(mesh, **TREES[tree])
-  txs = optimizers(mesh, dims, contrib_dims if contrib else None, shardings)
+  txs = optimizers(mesh, dims, contrib_dims if contrib else None, shardings, dion_ranks,
+                   muon)
   compiled, seconds, failed = {}, {name: [] for name in txs}, {}
   for _ in range(repeats):
     for name, (tx, _) in txs.items():
@@ -256,7 +278,7 @@ def table(rows: list[dict]) -> str:
   """A markdown table of ``rows`` (one target and tree)."""
   head = ("optimizer", "profile", "temp GB", "arg GB", "NS GFLOP busiest (HLO)", "(plan)", "teams k",
           "stages", "collectives: count, received MB", "a2a overlapped", "compile CPU s",
-          "modelled ms")
+          "modelled ms", "modelled received MB")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     if "does not fit" in r:
@@ -273,7 +295,8 @@ def table(rows: list[dict]) -> str:
         ",".join(map(str, r.get("teams", []))) or "—", str(r.get("stages", "—")),
         collectives or "—",
         "—" if share is None else f"{share:.0%}", f"{r['compile CPU s']:.1f}",
-        f"{r['modelled ms']:.2f}" if "modelled ms" in r else "—"]) + " |")
+        f"{r['modelled ms']:.2f}" if "modelled ms" in r else "—",
+        f"{r['modelled received MB']:.0f}" if "modelled received MB" in r else "—"]) + " |")
   return "\n".join(lines)
 
 
@@ -289,6 +312,11 @@ def main(argv=None) -> list[dict]:
                            "(default: %(default)s)")
   parser.add_argument("--no-contrib", action="store_true",
                       help="leave optax.contrib.muon out (default: off)")
+  parser.add_argument("--dion", default="",
+                      help="comma-separated rank fractions: also optax_muon.dion at each, "
+                      "products at bfloat16 and float32 (default: none)")
+  parser.add_argument("--no-muon", action="store_true",
+                      help="leave this package's Muon rows out (default: off)")
   parser.add_argument("--out", default="runs/aot.json",
                       help="where the rows go, as JSON (default: %(default)s)")
   args = parser.parse_args(argv)
@@ -302,7 +330,8 @@ def main(argv=None) -> list[dict]:
   rows = []
   for name in names:
     for tree in args.trees.split(","):
-      got = measure(name, tree, args.repeats, not args.no_contrib)
+      got = measure(name, tree, args.repeats, not args.no_contrib,
+                    tuple(float(f) for f in args.dion.split(",") if f), not args.no_muon)
       print(f"\n{name} ({TARGETS[name].topology}), {tree} tree\n\n{table(got)}", flush=True)
       rows += got
   out = pathlib.Path(args.out)

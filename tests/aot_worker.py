@@ -86,6 +86,21 @@ def main() -> None:
             for r in ex.teams[list(ex.team_program_of).index(i)]),
         "notes": list(summary.notes),
     }
+  # Dion at rank 1/4: what the compiler keeps of "no matrix gathered, small sums only".
+  tx = om.dion(0.02, rank_fraction=0.25, param_shardings=shardings)
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(tx.init, params)
+    compiled = jax.jit(tx.update).lower(params, state, params).compile()
+    summary = om.summarize(params, tx)
+  cost = hlo_cost.analyze(compiled, n)
+  out["dion"] = {
+      "kinds": sorted({c.kind for c in cost.collectives}),
+      "largest_gather": max((c.output_bytes for c in cost.collectives
+                             if c.kind == "all-gather"), default=0),
+      "received_bytes": cost.received_bytes,
+      "modelled_bytes": sum(r.received_bytes for r in summary.by_optimizer("muon")),
+      "loop_collectives": sum(c.in_loop for c in cost.collectives),
+  }
   print("RESULT " + json.dumps(out))
 
 

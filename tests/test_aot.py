@@ -62,3 +62,9 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
   assert loop and set(loop) <= {"all-reduce", "reduce-scatter", "all-gather"}, loop
   assert len(loop) == out["teams"]["plan_loop_collectives"], loop
   assert loop.count("all-gather") == 2 * (len(loop) - loop.count("all-gather")), loop
+  # Dion (rank 1/4 of 256: r = 64): no all-to-all and no gathered matrix; the compiler
+  # receives what summarize models (its ring model), give or take the partitioner's reshards.
+  dion = out["dion"]
+  assert "all-to-all" not in dion["kinds"] and dion["loop_collectives"] == 0, dion
+  assert dion["largest_gather"] <= (256 + 256) * 64 * 4, dion  # the smallest (m + n)·r
+  assert dion["modelled_bytes"] <= dion["received_bytes"] <= 1.2 * dion["modelled_bytes"], dion
