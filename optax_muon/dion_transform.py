@@ -78,6 +78,8 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float,
   Raises:
     ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the leaf.
   """
+  if not spec.muon_positions:  # nothing to resolve a fraction for (an empty tree too)
+    return []
   fractions = tree_utils.resolve_prefix(rank_fraction, tree, is_value=_is_fraction,
                                         what="rank_fraction")
   out = []

@@ -99,6 +99,8 @@ PROFILES = {  # name: (fast draws, slow draws, derandomize)
     "ci": (15, 40, True),
     "deep": (500, 2000, False),
 }
+#: Slow draws of ``dion`` (its options are Muon's but for NS and the plan).
+DION_DRAWS = {"ci": 12, "deep": 500}
 _PROFILE = os.environ.get("OPTAX_MUON_HYPOTHESIS_PROFILE", "ci")
 if _PROFILE not in PROFILES:
   raise ValueError(f"OPTAX_MUON_HYPOTHESIS_PROFILE={_PROFILE!r}; expected one of "
@@ -382,13 +384,20 @@ def _values(tree, step: int):
   return jax.tree.map(make, tree)
 
 
-def _tx(d: Draw, param_shardings=None):
+def _tx(d: Draw, param_shardings=None, dion_fraction=None):
+  """``muon`` with the draw's options; ``dion_fraction``: ``dion`` at that rank fraction
+  (the options it shares with ``muon``)."""
   routing = {"default": None, "per_head": om.Routing(heads="per_head"),
              "optax": om.Routing(adam_pattern=None, biases=False, layouts=())}[d.routing]
   given = lambda v: v.function() if isinstance(v, AsCallable) else v  # noqa: E731
+  options = {k: given(v) for k, v in d.options}
+  if dion_fraction is not None:
+    options = {k: v for k, v in options.items() if k not in ("normalization", "sharding")}
+    return om.dion(0.02, rank_fraction=dion_fraction,
+                   muon_weight_dimension_numbers=given(d.dims),
+                   param_shardings=param_shardings, routing=routing, **options)
   return om.muon(0.02, muon_weight_dimension_numbers=given(d.dims),
-                 param_shardings=param_shardings, routing=routing,
-                 **{k: given(v) for k, v in d.options})
+                 param_shardings=param_shardings, routing=routing, **options)
 
 
 def _typeof(tree):
@@ -462,12 +471,13 @@ def _assert_close(got, want, what: str, dtype_of=lambda path, own: own):
     assert err <= tolerance, f"{where}: relative error {err:.3g} > {tolerance:g}"
 
 
-def check(d: Draw):
+def check(d: Draw, dion_fraction=None):
+  """The draw's invariants for ``muon`` (``dion`` at ``dion_fraction``, if given)."""
   params = _values(d.tree, 0)
   grads = [_values(d.tree, 1), _values(d.tree, 2)]
 
   # 1. One device, no mesh.
-  tx = _tx(d)
+  tx = _tx(d, dion_fraction=dion_fraction)
   updates, states = _run(tx, params, grads)
   _assert_steps_well_formed(d.tree, updates, states)
 
@@ -480,7 +490,7 @@ def check(d: Draw):
   if not d.explicit or d.explicit_passes_shardings:
     given_shardings = d.specs if d.shardings_as_specs else shardings
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)  # noqa: E731
-  sharded_tx = _tx(d, given_shardings)
+  sharded_tx = _tx(d, given_shardings, dion_fraction)
   with jax.set_mesh(mesh):
     sharded_updates, sharded_states = _run(sharded_tx, params, grads, put)
   _assert_steps_well_formed(d.tree, sharded_updates, sharded_states)
@@ -539,6 +549,16 @@ def test_any_tree(d):
 @given(d=draws())
 def test_any_tree_more_draws(d):
   check(d)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@_settings(DION_DRAWS[_PROFILE])
+@given(d=draws(), fraction=st.sampled_from((0.25, 0.5)))
+def test_any_tree_dion(d, fraction):
+  """``dion`` on any tree: finite, well-formed steps; sharded (Explicit, Auto, any of the
+  meshes) equal to one device; summarize's routing the same with and without the mesh."""
+  check(d, fraction)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
