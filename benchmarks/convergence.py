@@ -24,7 +24,7 @@ over seeds), the steps each needs to reach AdamW's final validation loss as a fr
 AdamW's steps, and the time per step. Each finished run is saved to
 ``OUT/convergence_runs.json`` at once; ``--resume`` reuses the runs found there.
 
-  python benchmarks/convergence.py            # the full run (about an hour on 2 cores)
+  python benchmarks/convergence.py            # the full run (about two hours on 2 cores; Dion's sweeps are half)
   python benchmarks/convergence.py --quick    # CI: tiny model, a few steps
   python benchmarks/convergence.py --rows "optax_muon lr=,optax_muon weight decay"
                                               # AdamW, the defaults and the recommended
