@@ -61,7 +61,8 @@ def test_full_rank_converges_to_svd_polar_factor():
     assert np.all(np.abs(s - 1) < 1e-3), (name, s.min(), s.max())
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.125])
+@pytest.mark.parametrize("fraction", [pytest.param(1.0, marks=pytest.mark.slow), 0.5,
+                                      pytest.param(0.125, marks=pytest.mark.slow)])
 def test_matches_a_float64_reference_of_the_algorithm(fraction):
   """20 steps of ``scale_by_dion`` (float32, randomized Cholesky-QR at rank < 1) on drifting
   gradients equal the algorithm written out in float64 NumPy with Householder QR, from the
@@ -365,9 +366,10 @@ def _compare_to_single_device(updates, reference, fraction):
     assert rel_err(u, want[path]) < (2e-4 if fraction == 1 and square else 1e-5), path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,fraction,tolerance", [
     ("fsdp8-2-layers", 0.25, 1.0),
-    pytest.param("fsdp4xtp2", 1.0, 1.2, marks=pytest.mark.slow),
+    ("fsdp4xtp2", 1.0, 1.2),
 ])
 def test_summary_models_the_compiled_collectives(case, fraction, tolerance):
   """``summarize`` of ``dion``: each Muon leaf's rank and Dion's figures, beside Muon's plan
@@ -411,3 +413,23 @@ def test_bfloat16_products():
   assert jaxpr.count("preferred_element_type=float32") >= 4 and "bf16" in jaxpr
   with pytest.raises(ValueError, match="product_dtype must be a floating-point dtype"):
     om.dion(0.1, product_dtype="int8")
+
+
+def test_summary_of_dion_on_an_abstract_mesh():
+  """``summarize`` of ``dion`` from abstract shapes on FSDP 8: per matrix its rank and Dion's
+  ring-model bytes (P = M·Q needs no sum when the rows are split; R = Mᵀ·P, the sketch
+  and the Gram are all-reduced over the 8 devices), with Muon's plan beside it."""
+  mesh = jax.sharding.AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  params = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32,
+                                      sharding=NamedSharding(mesh, P("fsdp", None))),
+            "b": jax.ShapeDtypeStruct((256,), jnp.float32,
+                                      sharding=NamedSharding(mesh, P()))}
+  summary = om.summarize(params, om.dion(0.1, rank_fraction=0.25))
+  row = {r.path: r for r in summary.rows}["w"]
+  r, k, ring = 16, 20, 2 * 7 / 8
+  assert (row.rank, row.optimizer) == (r, "muon")
+  assert row.received_bytes == pytest.approx(ring * 4 * (256 * r + k * r + r * r))
+  assert row.flops_per_device == pytest.approx(
+      8 * 8 * 256 * r + 2 * k * 8 * r + 6 * 8 * r * r + 2 * k * r * r + 3 * r ** 3)
+  assert row.muon_bytes == pytest.approx(2 * 4 * 64 * 256 * 7 / 8)
+  assert summary.dion and summary.plan.sharded and "Muon's plan" in str(summary)
