@@ -72,18 +72,20 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
   batch = math.prod(matrix.view[:matrix.batch]) / g_b
   m, n, r, k = matrix.m, matrix.n, matrix.rank, matrix.sketch
   m_local, n_local = m / g_r, n / g_c
-  # M·Q, Mᵀ·P, P·Rᵀ (error feedback) and P·Qᵀ (the direction), on local blocks.
-  flops = 4 * 2 * m_local * n_local * r
-  collectives = [_all_reduce(batch * m_local * r * itemsize, g_c),   # P = M·Q
-                 _all_reduce(batch * n_local * r * itemsize, g_r),   # R = Mᵀ·P
-                 _all_reduce(batch * r * itemsize, g_c)]             # R's column norms
-  if m <= k:  # P's rows gathered, Householder QR on every device
-    flops += 4 * m * r * r
-    collectives.append(_all_gather(batch * m * r * itemsize, g_r))
-  else:  # sketch S·P, P·R₁⁻¹, Gram, P₁·L⁻ᵀ; the k × r QR and r × r factorizations
-    flops += 2 * k * m_local * r + 3 * 2 * m_local * r * r + 2 * k * r * r + 3 * r ** 3
-    collectives += [_all_reduce(batch * k * r * itemsize, g_r),
-                    _all_reduce(batch * r * r * itemsize, g_r)]
+  # Per power iteration M·Q and Mᵀ·P with P's orthonormalization; then P·Rᵀ (error
+  # feedback) and P·Qᵀ (the direction). Products on local blocks.
+  flops, collectives = 2 * 2 * m_local * n_local * r, [_all_reduce(batch * r * itemsize, g_c)]
+  for _ in range(matrix.power_iterations):  # (R's column norms above)
+    flops += 2 * 2 * m_local * n_local * r
+    collectives += [_all_reduce(batch * m_local * r * itemsize, g_c),   # P = M·Q
+                    _all_reduce(batch * n_local * r * itemsize, g_r)]   # R = Mᵀ·P
+    if m <= k:  # P's rows gathered, Householder QR on every device
+      flops += 4 * m * r * r
+      collectives.append(_all_gather(batch * m * r * itemsize, g_r))
+    else:  # sketch S·P, P·R₁⁻¹, Gram, P₁·L⁻ᵀ; the k × r QR and r × r factorizations
+      flops += 2 * k * m_local * r + 3 * 2 * m_local * r * r + 2 * k * r * r + 3 * r ** 3
+      collectives += [_all_reduce(batch * k * r * itemsize, g_r),
+                      _all_reduce(batch * r * r * itemsize, g_r)]
   devices = matrix.mesh.size if matrix.mesh is not None else 1
   return DionCost(batch * flops, tuple(b for b in collectives if b), devices)
 

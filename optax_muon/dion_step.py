@@ -68,6 +68,7 @@ class DionMatrix:
     manual: whether the arrays are local blocks (inside ``shard_map``).
     product_dtype: the operands' dtype of the four m × n × r products (accumulated in the
       state's dtype), or None: the state's dtype at full precision.
+    power_iterations: subspace-iteration steps per optimizer step (Dion: 1).
   """
 
   path: str
@@ -82,11 +83,12 @@ class DionMatrix:
   mesh: Any = None
   manual: bool = False
   product_dtype: Any = None
+  power_iterations: int = 1
 
   @classmethod
   def of(cls, layout: MatrixLayout, sharding: LeafSharding | None, rank: int,
          oversample: float = OVERSAMPLE, manual: bool = False,
-         product_dtype: Any = None) -> DionMatrix:
+         product_dtype: Any = None, power_iterations: int = 1) -> DionMatrix:
     rows, cols = layout.reduction_axes, layout.output_axes
     if layout.transposed:
       rows, cols = cols, rows
@@ -99,7 +101,7 @@ class DionMatrix:
                len(layout.batch_axes), len(rows), len(cols), rank,
                math.ceil(oversample * rank), dim_axes,
                None if sharding is None else sharding.mesh, manual and sharding is not None,
-               product_dtype)
+               product_dtype, power_iterations)
 
   @property
   def b(self) -> str:
@@ -354,9 +356,11 @@ def dion_step(grad: jax.Array, momentum: jax.Array, q: jax.Array, beta: Any,
   q_spec = _q_spec(matrix)
   m = jnp.transpose(momentum, matrix.perm) + jnp.transpose(grad, matrix.perm).astype(
       momentum.dtype)
-  p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", m, q, p_spec, large=True)
-  p = orthonormalize(p, key, matrix)
-  r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec, large=True)
+  r = q
+  for k in range(matrix.power_iterations):  # P = orth(M·R), R = Mᵀ·P; R starts from Q
+    p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", m, r, p_spec, large=True)
+    p = orthonormalize(p, jax.random.fold_in(key, k) if k else key, matrix)
+    r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec, large=True)
   new_m = m - (1 - beta) * matrix.einsum(f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec,
                                          large=True)
   norms = column_norms(r, matrix)

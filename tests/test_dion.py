@@ -61,16 +61,18 @@ def test_full_rank_converges_to_svd_polar_factor():
     assert np.all(np.abs(s - 1) < 1e-3), (name, s.min(), s.max())
 
 
-@pytest.mark.parametrize("fraction", [pytest.param(1.0, marks=pytest.mark.slow), 0.5,
-                                      pytest.param(0.125, marks=pytest.mark.slow)])
-def test_matches_a_float64_reference_of_the_algorithm(fraction):
+@pytest.mark.parametrize("fraction,iterations", [
+    pytest.param(1.0, 1, marks=pytest.mark.slow), (0.5, 1),
+    pytest.param(0.125, 1, marks=pytest.mark.slow), (0.5, 2)])
+def test_matches_a_float64_reference_of_the_algorithm(fraction, iterations):
   """20 steps of ``scale_by_dion`` (float32, randomized Cholesky-QR at rank < 1) on drifting
   gradients equal the algorithm written out in float64 NumPy with Householder QR, from the
   same initial Q: both orthonormalizations are P·T with T upper triangular, so they agree
-  up to column signs, which the update and the buffer do not see."""
+  up to column signs, which the update and the buffer do not see. ``iterations``: power
+  iterations per step."""
   rng = np.random.default_rng(0)
   m, n, beta = 32, 64, 0.9
-  tx = om.scale_by_dion(fraction, beta=beta)
+  tx = om.scale_by_dion(fraction, beta=beta, power_iterations=iterations)
   state = tx.init({"w": jnp.zeros((m, n))})
   q = np.asarray(state.q["w"], np.float64)  # n × r: the long side
   buffer, base = np.zeros((m, n)), rng.standard_normal((m, n))
@@ -78,9 +80,10 @@ def test_matches_a_float64_reference_of_the_algorithm(fraction):
   for _ in range(20):
     g = base + 0.3 * rng.standard_normal((m, n))
     got, state = update({"w": jnp.asarray(g, jnp.float32)}, state)
-    momentum = buffer + g
-    p, _ = np.linalg.qr(momentum @ q)
-    r = momentum.T @ p
+    momentum, r = buffer + g, q
+    for _ in range(iterations):
+      p, _ = np.linalg.qr(momentum @ r)
+      r = momentum.T @ p
     buffer = momentum - (1 - beta) * p @ r.T
     q = r / np.linalg.norm(r, axis=0, keepdims=True)
     want = p @ q.T
@@ -413,6 +416,8 @@ def test_bfloat16_products():
   assert jaxpr.count("preferred_element_type=float32") >= 4 and "bf16" in jaxpr
   with pytest.raises(ValueError, match="product_dtype must be a floating-point dtype"):
     om.dion(0.1, product_dtype="int8")
+  with pytest.raises(ValueError, match="power_iterations must be an int ≥ 1"):
+    om.scale_by_dion(power_iterations=0)
 
 
 def test_summary_of_dion_on_an_abstract_mesh():
@@ -433,3 +438,6 @@ def test_summary_of_dion_on_an_abstract_mesh():
       8 * 8 * 256 * r + 2 * k * 8 * r + 6 * 8 * r * r + 2 * k * r * r + 3 * r ** 3)
   assert row.muon_bytes == pytest.approx(2 * 4 * 64 * 256 * 7 / 8)
   assert summary.dion and summary.plan.sharded and "Muon's plan" in str(summary)
+  twice = om.summarize(params, om.dion(0.1, rank_fraction=0.25, power_iterations=2))
+  assert {r.path: r for r in twice.rows}["w"].received_bytes == pytest.approx(
+      2 * row.received_bytes)
