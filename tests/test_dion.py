@@ -322,10 +322,8 @@ def test_compiled_collectives_are_small(case, fraction):
   _check_collectives(compiled, params, fraction)
 
 
-@pytest.mark.parametrize("case,fraction", [
-    ("fsdp8", 0.5),
-    pytest.param("fsdp4xtp2", 1.0, marks=pytest.mark.slow),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("case,fraction", [("fsdp8", 0.5), ("fsdp4xtp2", 1.0)])
 def test_shard_map_equals_single_device(case, fraction):
   """``dion`` inside the user's jitted ``shard_map`` (local blocks in, ``psum``s and, at
   full rank, P's row gather by axis name): init outside and inside the ``shard_map`` agree
