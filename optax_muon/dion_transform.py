@@ -98,34 +98,28 @@ def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float,
   return out
 
 
-def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversample: float,
-                   seed: int, warnings: OncePerTransformation | None = None,
-                   product_dtype: Any = None, power_iterations: int = 1
+def dion_direction(settings: DionSettings, beta: Any, seed: int,
+                   warnings: OncePerTransformation | None = None
                    ) -> optax.GradientTransformationExtraArgs:
   """Dion's direction P·Qᵀ for every Muon leaf it receives.
 
   Args:
-    options: the static options (dimension numbers, shardings; ``routing`` is applied by
-      ``dion``'s partition, not here).
-    rank_fraction: the frozen per-leaf rank fractions (or a callable).
+    settings: the static options (``settings.options.routing`` is applied by ``dion``'s
+      partition, not here) and Dion's own; ``init`` reports them for ``summarize``.
     beta: μ; may be traced.
-    oversample: sketch rows per unit of rank.
     seed: seeds Q's initial values and the sketches.
     warnings: where ``init`` issues the spec's warnings (``dion`` issues its own).
-    product_dtype, power_iterations: see ``scale_by_dion``.
   """
-  received = branch_options(options)
+  received = branch_options(settings.options)
   base = jax.random.key(seed)
 
   def init_fn(params):
-    report_options(DionSettings(options, rank_fraction, oversample, product_dtype,
-                                power_iterations))
+    report_options(settings)
     spec = tree_spec(params, received)
     if warnings is not None:
       warnings.warn(spec.notices)
     leaves = spec.take(params)
-    matrices = _matrices(spec, params, rank_fraction, oversample, product_dtype,
-                         power_iterations)
+    matrices = settings.matrices(spec, params)
     momentum, q = [], []
     for k, (x, leaf, matrix) in enumerate(zip(leaves, spec.muon_leaves, matrices)):
       dtype = moment_dtype(x.dtype)
@@ -138,8 +132,7 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
     del params, extra_args
     check_same_shapes(updates, state.momentum, "the optimizer state (made from the params)")
     spec = tree_spec(updates, received)
-    matrices = _matrices(spec, updates, rank_fraction, oversample, product_dtype,
-                         power_iterations)
+    matrices = settings.matrices(spec, updates)
     count = optax.safe_increment(state.count)
     step_key = jax.random.fold_in(base, count)
     out, momentum, q = [], [], []
@@ -158,6 +151,17 @@ def dion_direction(options: MuonOptions, rank_fraction: Any, beta: Any, oversamp
                                              spec.put(state.q, q))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _settings(options: MuonOptions, rank_fraction: Any, oversample: float, product_dtype: Any,
+              power_iterations: Any) -> DionSettings:
+  """``DionSettings`` from the user's arguments, checked.
+
+  Raises:
+    ValueError: for a rank fraction, product dtype or iteration count out of range.
+  """
+  return DionSettings(options, _freeze_fraction(rank_fraction), oversample,
+                      _product_dtype(product_dtype), _power_iterations(power_iterations))
 
 
 def _product_dtype(dtype: Any) -> Any:
@@ -264,9 +268,8 @@ def scale_by_dion(
   check_number("oversample", oversample, 1.0)
   options = MuonOptions(0, weight_dimension_numbers=weight_dimension_numbers,
                         param_shardings=param_shardings)
-  return dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed,
-                        OncePerTransformation(), _product_dtype(product_dtype),
-                        _power_iterations(power_iterations))
+  return dion_direction(_settings(options, rank_fraction, oversample, product_dtype,
+                                  power_iterations), beta, seed, OncePerTransformation())
 
 
 def dion(
@@ -356,9 +359,8 @@ def dion(
       consistent_rms=static_or_injected(consistent_rms),
       cautious_weight_decay=cautious_weight_decay,
       qk_clip=check_option("qk_clip", qk_clip, QKClip))
-  direction = dion_direction(options, _freeze_fraction(rank_fraction), beta, oversample, seed,
-                             product_dtype=_product_dtype(product_dtype),
-                             power_iterations=_power_iterations(power_iterations))
+  direction = dion_direction(_settings(options, rank_fraction, oversample, product_dtype,
+                                       power_iterations), beta, seed)
   return matrices_and_adam(
       direction, options, learning_rate=learning_rate, consistent_rms=consistent_rms,
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
