@@ -76,3 +76,21 @@ def test_convergence_quick(tmp_path):
   report = convergence.main(["--quick", "--out", str(tmp_path), "--report"])  # trains nothing
   assert json.dumps(report["table"]) == json.dumps(summary["table"])
   assert (tmp_path / "convergence.png").exists() and (tmp_path / "convergence.json").exists()
+
+
+def test_dion_vs_muon():
+  """Dion's modelled step beside Muon's plan on the large abstract trees: a row per tree and
+  mesh; Dion's bytes scale with the rank, and on FSDP 32 × TP 8 at rank 1/64 it moves
+  fewer bytes than Muon's exchange (both sides split), on FSDP 256 more (one side)."""
+  import dion_vs_muon  # noqa: PLC0415
+  rows = dion_vs_muon.main(["--profiles", "h100"])
+  assert len(rows) == len(dion_vs_muon.CASES)
+  for row in rows:
+    assert (row["Dion r=1 MB"] > row["Dion r=0.25 MB"] > row["Dion r=0.0625 MB"]
+            > row["Dion r=0.015625 MB"])
+    assert row["Dion r=0.25 bf16 ms"] < row["Dion r=0.25 ms"]
+  by_mesh = {(r["tree"], r["mesh"]): r for r in rows}
+  tp = by_mesh["Llama-7B-like", "fsdp 32 × tp 8"]
+  fsdp = by_mesh["Llama-7B-like", "fsdp 256"]
+  assert tp["Dion r=0.015625 MB"] < tp["Muon bf16 MB"]
+  assert fsdp["Dion r=0.015625 MB"] > fsdp["Muon bf16 MB"]
