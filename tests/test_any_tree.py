@@ -96,11 +96,11 @@ TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 32 * 2.0**-8
              jnp.dtype(jnp.float16): 32 * 2.0**-11}
 
 PROFILES = {  # name: (fast draws, slow draws, derandomize)
-    "ci": (15, 30, True),
+    "ci": (15, 20, True),
     "deep": (500, 2000, False),
 }
 #: Slow draws of ``dion`` (its options are Muon's but for NS and the plan).
-DION_DRAWS = {"ci": 6, "deep": 500}
+DION_DRAWS = {"ci": 4, "deep": 500}
 _PROFILE = os.environ.get("OPTAX_MUON_HYPOTHESIS_PROFILE", "ci")
 if _PROFILE not in PROFILES:
   raise ValueError(f"OPTAX_MUON_HYPOTHESIS_PROFILE={_PROFILE!r}; expected one of "
