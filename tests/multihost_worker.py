@@ -21,6 +21,22 @@ import optax_muon  # noqa: E402
 from trees import gpt_tree  # noqa: E402
 
 
+def sharded_steps(tx, params, grads, mesh, matrix_spec):
+  """``tx``'s steps on ``mesh`` (matrices laid out by ``matrix_spec``, the rest replicated):
+  (the last updates gathered whole on every process, the sharded params)."""
+  specs = jax.tree.map(lambda x: matrix_spec if x.ndim == 2 else P(), params)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  put = lambda tree: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
+      shardings)
+  sharded_params = put(params)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded_params)
+    for g in grads:
+      updates, state = jax.jit(tx.update)(put(g), state, sharded_params)
+  return multihost_utils.process_allgather(updates, tiled=True), sharded_params
+
+
 def check(params, cost_model, process_id: int, name: str, interleave: bool = False) -> None:
   """Two steps of Muon on FSDP over both processes' 8 devices == one process's update.
   ``interleave``: mesh devices alternate between the processes (so that every team of
@@ -40,19 +56,9 @@ def check(params, cost_model, process_id: int, name: str, interleave: bool = Fal
   if interleave:
     devices = [d for pair in zip(devices[:4], devices[4:]) for d in pair]
   mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",), axis_types=(AxisType.Explicit,))
-  specs = jax.tree.map(lambda x: P("fsdp") if x.ndim == 2 else P(), params)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  put = lambda tree: jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
-      shardings)
   tx = optax_muon.muon(0.1, ns_options=ns,
                        sharding=optax_muon.ShardingOptions(cost_model=cost_model))
-  sharded_params = put(params)
-  with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(sharded_params)
-    for g in grads:
-      updates, state = jax.jit(tx.update)(put(g), state, sharded_params)
-  gathered = multihost_utils.process_allgather(updates, tiled=True)
+  gathered, sharded_params = sharded_steps(tx, params, grads, mesh, P("fsdp"))
   worst = max(float(np.max(np.abs(a - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
               for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)))
   plan = optax_muon.summarize(sharded_params, tx).plan
@@ -81,23 +87,13 @@ def check_dion(params, process_id: int) -> None:
   mesh = jax.sharding.Mesh(np.array([d for pair in zip(devices[:4], devices[4:])
                                      for d in pair]).reshape(4, 2), ("fsdp", "tp"),
                            axis_types=(AxisType.Explicit,) * 2)
-  specs = jax.tree.map(lambda x: P("fsdp", "tp") if x.ndim == 2 else P(), params)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  put = lambda tree: jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
-      shardings)
   worst = 0.0
   for fraction in (0.25, 1.0):
     tx = optax_muon.dion(0.1, rank_fraction=fraction)
     state = tx.init(params)
     for g in grads:
       reference, state = jax.jit(tx.update)(g, state, params)
-    sharded_params = put(params)
-    with jax.set_mesh(mesh):
-      state = jax.jit(tx.init)(sharded_params)
-      for g in grads:
-        updates, state = jax.jit(tx.update)(put(g), state, sharded_params)
-    gathered = multihost_utils.process_allgather(updates, tiled=True)
+    gathered, _ = sharded_steps(tx, params, grads, mesh, P("fsdp", "tp"))
     for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)):
       b = np.asarray(b)
       # Square matrices at full rank: see test_dion._compare_to_single_device.
