@@ -25,22 +25,15 @@ class DionCost:
   Attributes:
     flops: FLOPs per device (products as 2·m·n·k; decompositions by their leading term).
     collectives: per collective, the bytes a device receives.
-    devices: the devices that hold a part of the leaf (the mesh; 1 without sharding).
   """
 
   flops: float
   collectives: tuple[float, ...]
-  devices: int
 
   @property
   def received_bytes(self) -> float:
     """Bytes one device receives per step."""
     return sum(self.collectives)
-
-  @property
-  def moved_bytes(self) -> float:
-    """Bytes all devices together receive per step."""
-    return self.received_bytes * self.devices
 
   def seconds(self, model: CostModel) -> float:
     """Modelled time on one device: its products, then each collective in turn."""
@@ -86,8 +79,7 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
       flops += 2 * k * m_local * r + 3 * 2 * m_local * r * r + 2 * k * r * r + 3 * r ** 3
       collectives += [_all_reduce(batch * k * r * itemsize, g_r),
                       _all_reduce(batch * r * r * itemsize, g_r)]
-  devices = matrix.mesh.size if matrix.mesh is not None else 1
-  return DionCost(batch * flops, tuple(b for b in collectives if b), devices)
+  return DionCost(batch * flops, tuple(b for b in collectives if b))
 
 
 def step_seconds(leaf_costs: list[DionCost], model: CostModel) -> float:

@@ -183,14 +183,14 @@ class DionMatrix:
       x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(names) * size, size, axis)
     return x
 
-  def gathered(self, x: jax.Array, axes_dims: tuple[tuple[int, int], ...]) -> jax.Array:
-    """Inside ``shard_map``: ``x`` whole along its axes ``axis`` that hold the view's dims
-    ``dim`` (pairs ``(axis, dim)``); otherwise ``x``."""
+  def gathered(self, x: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    """Inside ``shard_map``: ``x`` whole along the view's ``dims`` (which must be ``x``'s
+    axes of the same index); otherwise ``x``."""
     if not self.manual:
       return x
-    for axis, dim in axes_dims:
+    for dim in dims:
       if self.dim_axes[dim]:
-        x = jax.lax.all_gather(x, self.dim_axes[dim], axis=axis, tiled=True)
+        x = jax.lax.all_gather(x, self.dim_axes[dim], axis=dim, tiled=True)
     return x
 
   def placed(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
@@ -313,9 +313,8 @@ def orthonormalize(p: jax.Array, key: jax.Array, matrix: DionMatrix) -> jax.Arra
   p_spec = matrix.spec(matrix.batch_dims + matrix.row_dims, 1)
   if matrix.m <= matrix.sketch:
     # A sketch would be no shorter than P: gather P's rows (m·r values) and take its QR.
-    rows = tuple((d, d) for d in matrix.row_dims)
     whole = matrix.gathered(
-        matrix.placed(p, matrix.spec(matrix.batch_dims, matrix.rows + 1)), rows)
+        matrix.placed(p, matrix.spec(matrix.batch_dims, matrix.rows + 1)), matrix.row_dims)
     flat = whole.reshape(whole.shape[:matrix.batch] + (matrix.m, matrix.rank))
     q = matrix.per_block(lambda x: jnp.linalg.qr(x)[0], flat).reshape(whole.shape)
     return matrix.placed(matrix.local_block(q, matrix.spec(matrix.row_dims, 1, matrix.batch)),
