@@ -16,7 +16,7 @@ environment (they cannot share a process)::
 
 With ``--dion 0.25,0.0625``, rows of ``optax_muon.dion`` at those rank fractions too
 (products at bfloat16 and at float32), their modelled time and received bytes from
-``summarize`` (``optax_muon.dion_costs``) beside the HLO's.
+``summarize`` (``optax_muon._src.dion.costs``) beside the HLO's.
 
 Per target and tree, one row per optimizer: optax_muon as it plans by default (the cost
 profile of the target's devices, found from their ``device_kind``),

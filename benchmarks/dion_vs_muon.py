@@ -4,10 +4,10 @@ For the Llama-7B-like tree on FSDP meshes of 8 to 256 devices and FSDP 32 × TP 
 405B-like tree on replica 64 × FSDP 256 and replica 64 × FSDP 32 × TP 8
 (``sharding.LARGE_TREES``; abstract shapes, nothing is compiled):
 
-- Muon: the plan with teams (``optax_muon.plan.build_plan`` under the profile), Newton–
+- Muon: the plan with teams (``optax_muon._src.muon.plan.build_plan`` under the profile), Newton–
   Schulz at bfloat16 or float32 (exchanged at that dtype), its busiest device's modelled
   time (exchanges and NS) and received bytes.
-- Dion at rank fractions 1, 1/4, 1/16, 1/64: ``optax_muon.dion_costs`` per leaf (products
+- Dion at rank fractions 1, 1/4, 1/16, 1/64: ``optax_muon._src.dion.costs`` per leaf (products
   on local blocks at float32, as ``dion`` computes them by default, and at the bfloat16
   rate of ``product_dtype="bfloat16"``; the partial sums all-reduced), each kind of
   collective combined over the leaves (``step_seconds``).
@@ -28,10 +28,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import optax_muon
-from optax_muon.dion_costs import dion_cost, step_seconds
-from optax_muon.dion_step import DionMatrix, rank_of
-from optax_muon.layout import make_layout
-from optax_muon.sharding import LeafSharding, dim_axes_of
+from optax_muon._src.core.profiles import PROFILES
+from optax_muon._src.dion.costs import dion_cost, step_seconds
+from optax_muon._src.dion.step import DionMatrix, rank_of
+from optax_muon._src.core.matrices import make_layout
+from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
 from sharding import LARGE_TREES, abstract_plans, llama_shapes
 from single_device import table
 
@@ -60,7 +61,7 @@ def dion_step(leaves: dict, specs: dict, dims: dict, mesh_shape: tuple, names: t
 def main(argv: list[str] | None = None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--profiles", default="h100,tpu_v5p",
-                      help="comma-separated cost profiles (optax_muon.PROFILES; default: "
+                      help="comma-separated cost profiles (PROFILES; default: "
                       "h100,tpu_v5p)")
   args = parser.parse_args(argv)
   rows = []
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     specs = {k: P(None, "fsdp", "tp" if "tp" in names else None) for k in leaves}
     dims = {k: optax_muon.MuonDimensionNumbers(1, 2) for k in leaves}
     for profile in args.profiles.split(","):
-      model = optax_muon.PROFILES[profile]
+      model = PROFILES[profile]
       row = {"tree": tree.split(" (")[0],
              "mesh": " × ".join(f"{a} {n}" for a, n in zip(names, mesh_shape)),
              "profile": profile}
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         label = "bf16" if dtype else "f32"
         row[f"Muon {label} ms"] = plan.critical_seconds(ns_model) * 1e3
         row[f"Muon {label} MB"] = float(
-            optax_muon.costs.device_received_bytes(plan).max()) / 1e6
+            optax_muon._src.muon.costs.device_received_bytes(plan).max()) / 1e6
       for fraction in RANKS:
         seconds, received = dion_step(leaves, specs, dims, mesh_shape, names, fraction,
                                       model.for_dtype(np.float32))

@@ -34,6 +34,7 @@ import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_muon as om  # noqa: E402
+from optax_muon._src.core.profiles import PROFILES
 import sharding  # noqa: E402
 from single_device import table  # noqa: E402
 from trees import gpt_tree, llama_tree, moe_tree, muon_dims, stacked_dims  # noqa: E402
@@ -120,7 +121,7 @@ def rows() -> list[dict]:
   (case, bound) = moe_case()
   for method, ns in methods.items():
     start = time.perf_counter()
-    _, plan, _, _ = sharding.abstract_plans(*case, ns, om.PROFILES["cpu"])
+    _, plan, _, _ = sharding.abstract_plans(*case, ns, PROFILES["cpu"])
     lpt = sharding.lpt_plan(plan)
     out.append({"row": "MoE 4L 8x SwiGLU d256 expert4 x fsdp8, cpu profile", "NS": method,
                 "figure": "busiest bytes / bound",

@@ -80,6 +80,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
+from optax_muon._src.core.profiles import PROFILES
+from optax_muon._src.muon.costs import ns_flops
 from single_device import table  # noqa: E402
 from trees import (gpt_tree, llama_tree, moe_tree, muon_dims,  # noqa: E402
                    require_optax_contrib_muon, stacked_dims)
@@ -145,9 +147,9 @@ def bounds(params, dims, n: int) -> dict:
   for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(
       dims, is_leaf=lambda v: v is None or isinstance(v, optax_muon.MuonDimensionNumbers))):
     if d is not None:
-      layout = optax_muon.layout.make_layout("", x, d)
+      layout = optax_muon._src.core.matrices.make_layout("", x, d)
       m, k = sorted((layout.n_in, layout.n_out))
-      flops += [optax_muon.ns_flops(m, k, 5)] * layout.batch
+      flops += [ns_flops(m, k, 5)] * layout.batch
       sizes += [4 * m * k] * layout.batch
   total_b = sum(sizes)
   return {"flops": max(sum(flops) / n, max(flops)), "average": sum(flops) / n,
@@ -176,10 +178,10 @@ def lpt_plan(plan):
   """The same matrices placed by FLOPs alone (plain longest processing time first)."""
   layouts, shardings = [p.layout for p in plan.leaves], [p.sharding for p in plan.leaves]
   if hasattr(plan, "ns"):  # a --baseline checkout from before the option objects
-    return optax_muon.plan.build_plan(layouts, shardings, plan.ns, exchange=plan.exchange,
+    return optax_muon._src.muon.plan.build_plan(layouts, shardings, plan.ns, exchange=plan.exchange,
                                       weigh_bytes=False)
   costs = {(p.layout.ns_shape, p.layout.dtype): p.flops for p in plan.leaves}
-  return optax_muon.plan.build_plan(
+  return optax_muon._src.muon.plan.build_plan(
       layouts, shardings, lambda m, n, dtype: costs[(m, n), dtype],
       optax_muon.ShardingOptions(exchange=plan.exchange, wire_dtype=plan.wire_dtype),
       weigh_bytes=False)
@@ -274,15 +276,15 @@ def abstract_plans(leaves: dict, specs: dict, dims: dict, mesh_shape: tuple, nam
   """(whole-matrix plan, plan with teams under ``model``, seconds to build each) for
   abstract ``leaves`` with PartitionSpecs ``specs`` on an abstract mesh."""
   mesh = jax.sharding.AbstractMesh(mesh_shape, names)
-  layouts = [optax_muon.layout.make_layout(k, x, dims[k]) for k, x in leaves.items()]
-  shardings = [optax_muon.sharding.LeafSharding(
-      mesh, optax_muon.sharding.dim_axes_of(specs[k], len(x.shape))) for k, x in leaves.items()]
-  cost = lambda m, n, dtype: optax_muon.costs.matrix_flops(ns, m, n, dtype, 5)
-  team_cost = lambda m, n, dtype, k: optax_muon.costs.team_cost(ns, m, n, dtype, k, 5)
+  layouts = [optax_muon._src.core.matrices.make_layout(k, x, dims[k]) for k, x in leaves.items()]
+  shardings = [optax_muon._src.core.sharding.LeafSharding(
+      mesh, optax_muon._src.core.sharding.dim_axes_of(specs[k], len(x.shape))) for k, x in leaves.items()]
+  cost = lambda m, n, dtype: optax_muon._src.muon.costs.matrix_flops(ns, m, n, dtype, 5)
+  team_cost = lambda m, n, dtype, k: optax_muon._src.muon.costs.team_cost(ns, m, n, dtype, k, 5)
   start = time.perf_counter()
-  whole = optax_muon.plan.build_plan(layouts, shardings, cost)
+  whole = optax_muon._src.muon.plan.build_plan(layouts, shardings, cost)
   middle = time.perf_counter()
-  groups = optax_muon.plan.build_plan(layouts, shardings, cost,
+  groups = optax_muon._src.muon.plan.build_plan(layouts, shardings, cost,
                                       optax_muon.ShardingOptions(cost_model=model),
                                       team_cost=team_cost)
   return whole, groups, middle - start, time.perf_counter() - middle
@@ -333,7 +335,7 @@ def plan_only_rows(counts: tuple[int, ...], large: bool) -> list[dict]:
     for dtype in (None, "bfloat16"):
       ns = optax_muon.NSOptions(method="standard", compute_dtype=dtype)
       for profile in ("gpu", "tpu"):
-        model = optax_muon.PROFILES[profile]
+        model = PROFILES[profile]
         whole, groups, _, seconds = abstract_plans(muon, specs, dims, mesh_shape, names, ns,
                                                    model)
         average = sum(p.layout.batch * p.flops for p in whole.leaves) / whole.device_count

@@ -31,6 +31,7 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import optax_muon  # noqa: E402
+from optax_muon._src.muon.costs import ns_flops
 from trees import gpt_tree, muon_dims, random_like, require_optax_contrib_muon  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def import_baseline(rev: str, directory: str):
   subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
   package = pathlib.Path(directory) / name
   (pathlib.Path(directory) / "optax_muon").rename(package)
-  for source in package.rglob("*.py"):  # subpackages (optax_muon.plan) too
+  for source in package.rglob("*.py"):  # subpackages (optax_muon._src.muon.plan) too
     source.write_text(source.read_text().replace("optax_muon", name))
   sys.path.insert(0, directory)
   return importlib.import_module(name)
@@ -120,7 +121,7 @@ def bench_ns_throughput(d: int, layers: int, repeats: int) -> list[dict]:
   shapes = collections.Counter()
   for x in jax.tree.leaves(params):
     if x.ndim == 3:
-      layout = optax_muon.layout.make_layout("", x, optax_muon.MuonDimensionNumbers(1, 2))
+      layout = optax_muon._src.core.matrices.make_layout("", x, optax_muon.MuonDimensionNumbers(1, 2))
       shapes[layout.ns_shape] += layout.batch
   rows = []
   for (m, n), batch in sorted(shapes.items()):
@@ -135,7 +136,7 @@ def bench_ns_throughput(d: int, layers: int, repeats: int) -> list[dict]:
         "matmul": jax.jit(lambda x, a: (x @ jnp.swapaxes(x, 1, 2), a @ a, a @ x)),
     }
     times = alternate(fns, {"standard": (x,), "auto": (x,), "matmul": (x, a)}, repeats)
-    ns_flop = batch * optax_muon.ns_flops(m, n, steps)
+    ns_flop = batch * ns_flops(m, n, steps)
     matmul_rate = batch * (4 * m * m * n + 2 * m**3) / times["matmul"]
     for method in ("standard", "auto"):
       rows.append({"shape": f"{batch} × {m}×{n}", "method": method,

@@ -363,7 +363,7 @@ def test_summary_names_normuon_cautious_decay_and_the_ns_precision():
                                           cautious_weight_decay=True)))
   assert text.splitlines()[-3] == ("NorMuon (β₂ = 0.95) on 1 Muon leaf: updates normalized "
                                    "per output neuron after NS.")
-  assert text.splitlines()[-2].startswith("Cautious weight decay: Muon and AdamW leaves")
+  assert text.splitlines()[-2].startswith("Cautious weight decay: matrix and AdamW leaves")
   assert text.splitlines()[-1] == ("Newton–Schulz products: float32 at full precision "
                                    "(Precision.HIGHEST).")
   assert "1 leaf on Muon, 4 on AdamW" in text

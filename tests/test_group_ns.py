@@ -9,8 +9,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_cost
 import optax_muon as om
+from optax_muon._src.muon import costs
+from optax_muon._src.muon.coefficients import resolve_coefficients
+from optax_muon._src.muon.costs import ns_flops
 from helpers import rel_err
-from optax_muon.orthogonalization import MeshTeam, orthogonalize_block
+from optax_muon._src.muon.newton_schulz import MeshTeam, orthogonalize_block
 
 M, N = 24, 96
 
@@ -42,7 +45,7 @@ def _team_cases():
 @pytest.mark.parametrize("k, method, preconditioning", list(_team_cases()))
 def test_team_equals_one_device(k, method, preconditioning):
   x = jax.random.normal(jax.random.PRNGKey(k), (8 // k, M, N))
-  table = om.resolve_coefficients("polar_express", 6)
+  table = resolve_coefficients("polar_express", 6)
   kw = dict(method=method, preconditioning=preconditioning)
   whole = om.newton_schulz(x, table, **kw)
   split, _ = _team_run(x, table, k, **kw)
@@ -55,7 +58,7 @@ def test_team_flops_and_collectives_are_the_model():
   polynomial's rows per step."""
   k, steps = 4, 5
   x = jax.random.normal(jax.random.PRNGKey(0), (2, M, N))
-  table = om.resolve_coefficients("jordan", steps)
+  table = resolve_coefficients("jordan", steps)
   _, compiled = _team_run(x, table, k, method="standard")
   cost = hlo_cost.analyze(compiled, 8)
   per_matrix = steps * (4 * M * M * N + 2 * M**3) // k
@@ -71,15 +74,15 @@ def test_team_gram_splits_every_product(k, steps, restart):
   1/k of one device's (every m × m product split by rows, not only G and Q·X₀), and its
   collectives are ``team_collectives``'s."""
   x = jax.random.normal(jax.random.PRNGKey(1), (8 // k, M, N))
-  table = om.resolve_coefficients("jordan", steps)
+  table = resolve_coefficients("jordan", steps)
   kw = dict(method="gram", gram_restart=restart)
   got, compiled = _team_run(x, table, k, **kw)
   assert rel_err(got, om.newton_schulz(x, table, **kw)) < 1e-5
   cost = hlo_cost.analyze(compiled, 8)
-  assert cost.dot_flops == om.ns_flops(M, N, steps, True, restart, team=k)
-  whole = om.ns_flops(M, N, steps, True, restart)
+  assert cost.dot_flops == ns_flops(M, N, steps, True, restart, team=k)
+  whole = ns_flops(M, N, steps, True, restart)
   assert cost.dot_flops <= whole / k + steps * 2 * M**3 / k  # the ⌈m/k⌉ rows' rounding
-  model = om.costs.team_collectives(M, N, steps, k, True, restart)
+  model = costs.team_collectives(M, N, steps, k, True, restart)
   assert sum(c.multiplicity for c in cost.collectives) == len(model)
   assert sum(c.multiplicity for c in cost.collectives if c.in_loop) == sum(
       in_loop for _, in_loop in model)
@@ -89,7 +92,7 @@ def test_team_complex():
   key1, key2 = jax.random.split(jax.random.PRNGKey(3))
   x = (jax.random.normal(key1, (2, M, N)) + 1j * jax.random.normal(key2, (2, M, N)))
   x = x.astype(jnp.complex64)
-  table = om.resolve_coefficients("polar_express", 8)
+  table = resolve_coefficients("polar_express", 8)
   split, _ = _team_run(x, table, 4)
   assert split.dtype == jnp.complex64
   assert rel_err(split, om.newton_schulz(x, table)) < 1e-5
@@ -99,7 +102,7 @@ def test_team_bf16_products_err_like_one_device():
   """bf16 products round differently split and whole; both stay as close to the float32
   result as bf16 allows."""
   x = jax.random.normal(jax.random.PRNGKey(4), (2, M, N))
-  table = om.resolve_coefficients("polar_express", 8)
+  table = resolve_coefficients("polar_express", 8)
   exact = om.newton_schulz(x, table)
   whole = om.newton_schulz(x, table, compute_dtype=jnp.bfloat16)
   split, _ = _team_run(x, table, 4, compute_dtype=jnp.bfloat16)

@@ -15,11 +15,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import hlo_cost
 import optax_muon as om
+from optax_muon._src.core.profiles import PROFILES, default_cost_model
 import planner
 import sharding
 import test_sharded as base
 from helpers import rel_err
-from optax_muon.plan import build_plan
+from optax_muon._src.muon.plan import build_plan
 from hlo_cost import compiled_device_flops
 from trees import moe_tree, stacked_dims
 
@@ -171,7 +172,7 @@ def test_cost_model_validation_and_default():
     om.CostModel(1e12, 1e9, -1.0)
   with pytest.raises(ValueError, match="ShardingOptions.cost_model"):
     om.ShardingOptions(cost_model="gpu")
-  assert om.default_cost_model() is om.PROFILES["cpu"]  # these tests run on CPU devices
+  assert default_cost_model() is PROFILES["cpu"]  # these tests run on CPU devices
   assert om.CostModel(1e12, math.inf, 0.0).collective_seconds(1e9) == 0.0
 
 
@@ -256,7 +257,7 @@ def test_moe_plan_bytes_near_the_bound(method):
   specs = sharding._flat(sharding.moe_specs(params, "expert", "fsdp"))
   plan, _, _, _ = sharding.abstract_plans(
       muon, {k: specs[k] for k in muon}, {k: flat_dims[k] for k in muon}, (4, 8),
-      ("expert", "fsdp"), om.NSOptions(method=method), om.PROFILES["cpu"])
+      ("expert", "fsdp"), om.NSOptions(method=method), PROFILES["cpu"])
   bound = sharding.bounds(params, dims, 32)
   assert plan.critical_ns_flops() == sharding.lpt_plan(plan).critical_ns_flops()
   assert plan.device_received_bytes().max() <= 1.45 * bound["bytes"]
@@ -266,7 +267,7 @@ def _element_index(ex, plan, g):
   """Step 2's buffer, element by element, written out: the reference for the executor's
   unit index (a row: the member's blocks of its team's runs, its whole matrices' pieces,
   padding one past the end)."""
-  from optax_muon.executor import _member_slice  # noqa: PLC0415
+  from optax_muon._src.muon.executor import _member_slice  # noqa: PLC0415
   starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
   index = np.full((len(ex.owned), ex.chunk(g)), starts[-1], np.int64)
   for w, owned in enumerate(ex.owned):
@@ -291,7 +292,7 @@ def test_the_exchange_index_is_per_unit_and_means_the_same_elements(model):
   together, not one per element (a constant the size of the params otherwise), and it
   addresses exactly the elements the element-wise description does — padded team blocks
   included."""
-  from optax_muon.executor import buffer_units  # noqa: PLC0415
+  from optax_muon._src.muon.executor import buffer_units  # noqa: PLC0415
   mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
   shapes = {"a": (40, 8), "b": (40, 8), "c": (40, 8), "d": (8, 40), "w": (64, 256),
             "v": (256, 64)}
@@ -314,11 +315,11 @@ def test_the_exchange_index_is_per_unit_and_means_the_same_elements(model):
 def test_device_profiles_by_generation_and_dtype():
   """Generation profiles carry the vendors' bf16 and full-float32 rates; the plan takes
   the rate of the NS compute dtype, and summarize names the profile."""
-  h100 = om.PROFILES["h100"]
+  h100 = PROFILES["h100"]
   assert h100.for_dtype(jnp.float32).flops_per_second == 67e12
   assert h100.for_dtype(jnp.bfloat16).flops_per_second == 989e12
-  assert om.PROFILES["tpu_v5p"].for_dtype(jnp.float32).flops_per_second == 459e12 / 6
-  assert om.PROFILES["gpu"].for_dtype(jnp.float32) is om.PROFILES["gpu"]  # one rate
+  assert PROFILES["tpu_v5p"].for_dtype(jnp.float32).flops_per_second == 459e12 / 6
+  assert PROFILES["gpu"].for_dtype(jnp.float32) is PROFILES["gpu"]  # one rate
   mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
   params = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32,
                                       sharding=NamedSharding(mesh, P("fsdp")))}

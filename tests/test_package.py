@@ -17,6 +17,6 @@ def test_no_public_name_shadows_a_module():
     importlib.import_module(f"optax_muon.{name}")
   shadowed = [n for n in modules if not isinstance(getattr(optax_muon, n), types.ModuleType)]
   assert not shadowed, shadowed
-  assert optax_muon.qk_clipping.qk_clip is optax_muon.qk_clip
-  assert optax_muon.orthogonalization.newton_schulz is optax_muon.newton_schulz
-  assert optax_muon.step_diagnostics.diagnostics is optax_muon.diagnostics
+  assert optax_muon._src.core.qk_clipping.qk_clip is optax_muon.qk_clip
+  assert optax_muon._src.muon.newton_schulz.newton_schulz is optax_muon.newton_schulz
+  assert optax_muon._src.tools.diagnostics.diagnostics is optax_muon.diagnostics

@@ -19,11 +19,12 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import optax_muon as om
-from optax_muon import costs
-from optax_muon.layout import make_layout
-from optax_muon.plan import build_plan
-from optax_muon.plan.teams import SPLIT_MARGIN
-from optax_muon.sharding import LeafSharding, dim_axes_of
+from optax_muon._src.core import matrices
+from optax_muon._src.muon import costs
+from optax_muon._src.core.matrices import make_layout
+from optax_muon._src.muon.plan import build_plan
+from optax_muon._src.muon.plan.teams import SPLIT_MARGIN
+from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
 
 FREE = om.CostModel(1e12, math.inf, 0.0)
 PROHIBITIVE = om.CostModel(1e12, 1.0, 1.0)  # one byte per second, a second per collective
@@ -89,7 +90,7 @@ def piece_bound(plan, ns) -> float:
   least = []
   for p in plan.leaves:
     layout = p.layout
-    (m, n), _ = om.layout.ns_orientation(layout.n_in, layout.n_out)
+    (m, n), _ = matrices.ns_orientation(layout.n_in, layout.n_out)
     long_side = layout.reduction_axes if layout.transposed else layout.output_axes
     e = max(p.local_shape[d] for d in long_side)
     options = [p.flops] + [

@@ -244,7 +244,7 @@ def test_sharded_equals_single_device_without_collectives(axis_type):
 
 
 def test_docstring_examples():
-  module = importlib.import_module("optax_muon.qk_clipping")
+  module = importlib.import_module("optax_muon._src.core.qk_clipping")
   assert doctest.testmod(module).failed == 0
 
 

@@ -13,12 +13,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import hlo_cost
 import optax_muon as om
+from optax_muon._src.muon.costs import ns_flops
 import sharding
 from helpers import rel_err
-from optax_muon import costs
-from optax_muon.layout import make_layout
-from optax_muon.plan import build_plan
-from optax_muon.sharding import LeafSharding, dim_axes_of
+from optax_muon._src.muon import costs
+from optax_muon._src.core.matrices import make_layout
+from optax_muon._src.muon.plan import build_plan
+from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
 from hlo_cost import compiled_device_flops
 from trees import gpt_tree, muon_dims, random_like
 
@@ -294,7 +295,7 @@ def test_summary_reports_the_plan():
   # (5 units).
   assert "12 matrices, 1–3 whole per worker of 8" in rows["blocks/0/q"].placement
   assert "6 matrices, 0–1 whole per worker of 8" in rows["blocks/0/mlp_in"].placement
-  unit = om.ns_flops(32, 32, 5)
+  unit = ns_flops(32, 32, 5)
   assert sorted(summary.plan.device_ns_flops().tolist()) == [3 * unit] * 2 + [4 * unit] * 6
   assert summary.plan.critical_ns_flops() / summary.plan.ns_flops_bound() == 16 / 15
   assert "GFLOP on the busiest device" in str(summary)
@@ -406,7 +407,7 @@ def test_assignment_balances_across_groups():
   _owned_once(plan)
   assert len(plan.groups) == 2
   loads = plan.device_ns_flops()
-  c_expert, c_attention = om.ns_flops(d, 2 * d, 5), om.ns_flops(d, d, 5)
+  c_expert, c_attention = ns_flops(d, 2 * d, 5), ns_flops(d, d, 5)
   assert loads.max() == 2 * c_expert  # not 2 · c_expert + c_attention
   per_group = sum(max(costs.program_flops(ex)) for g in plan.groups for ex in g.exchanges)
   assert per_group == 2 * c_expert + c_attention
@@ -430,7 +431,7 @@ def test_unsharded_leaves_are_the_trivial_plan():
   assert plan.mesh_shape == () and not plan.sharded
   (group,) = plan.groups
   assert group.workers == 1 and [b.matrices for b in group.buckets] == [4]
-  assert plan.critical_ns_flops() == 4 * om.ns_flops(16, 32, 5)
+  assert plan.critical_ns_flops() == 4 * ns_flops(16, 32, 5)
 
 
 @pytest.mark.slow

@@ -14,9 +14,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import aot
 import hlo_cost
 import optax_muon as om
+from optax_muon._src.core.profiles import PROFILES
 import test_sharded as base
 from hlo_cost import compiled_device_flops
-from optax_muon import costs
+from optax_muon._src.muon import costs
 from trees import random_like
 
 FREE = om.CostModel(1e12, math.inf, 0.0)
@@ -80,11 +81,11 @@ def _seven_b(model, stages=None):
 
 def test_the_cost_model_chooses_the_stages():
   # XLA:CPU's profile cannot overlap; free or prohibitive communication gains nothing.
-  for model in (om.PROFILES["cpu"], FREE, PROHIBITIVE):
+  for model in (PROFILES["cpu"], FREE, PROHIBITIVE):
     assert _stage_counts(_seven_b(model)) == [1], model
   # An H100's NS in bfloat16 beside NVLink: split, the modelled time shorter than one
   # stage's, the same FLOPs per device.
-  h100 = om.PROFILES["h100"]
+  h100 = PROFILES["h100"]
   staged, whole = _seven_b(h100), _seven_b(h100, stages=1)
   assert max(_stage_counts(staged)) > 1
   assert staged.critical_seconds() < whole.critical_seconds()

@@ -1,0 +1,116 @@
+"""Dion's static options (``DionSettings``): the options shared with Muon and Dion's own,
+checked once; and each matrix leaf's ``DionMatrix`` under them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from optax_muon._src.core import tree_utils
+from optax_muon._src.core.spec import TreeOptions, TreeSpec
+from optax_muon._src.dion.step import OVERSAMPLE, DionMatrix, rank_of
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DionSettings:
+  """The static options of one Dion transformation: those shared with Muon, and Dion's own.
+
+  Attributes:
+    options: the routing, dimension numbers, shardings and the other options shared with
+      ``muon``.
+    rank_fraction: the frozen per-leaf rank fractions.
+    oversample: sketch rows per unit of rank.
+    product_dtype: the dtype of the large products' operands, or None.
+    power_iterations: subspace-iteration steps per optimizer step.
+  """
+
+  options: TreeOptions
+  rank_fraction: Any
+  oversample: float = OVERSAMPLE
+  product_dtype: Any = None
+  power_iterations: int = 1
+
+  def matrices(self, spec: TreeSpec, tree: Any) -> list[DionMatrix]:
+    """Each Muon leaf's ``DionMatrix`` (``spec`` built from ``options``)."""
+    return _matrices(spec, tree, self.rank_fraction, self.oversample, self.product_dtype,
+                     self.power_iterations)
+
+
+def _is_fraction(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_fraction(value: Any, where: str) -> None:
+  if not _is_fraction(value) or not 0 < value <= 1:
+    raise ValueError(f"{where}: rank_fraction must be a number in (0, 1], got {value!r}.")
+
+
+def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float,
+              product_dtype: Any = None, power_iterations: int = 1) -> list[DionMatrix]:
+  """Each Muon leaf's ``DionMatrix``, its rank from ``rank_fraction``.
+
+  Raises:
+    ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the leaf.
+  """
+  if not spec.muon_positions:  # nothing to resolve a fraction for (an empty tree too)
+    return []
+  fractions = tree_utils.resolve_prefix(rank_fraction, tree, is_value=_is_fraction,
+                                        what="rank_fraction")
+  out = []
+  for i in spec.muon_positions:
+    leaf = spec.leaves[i]
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+      raise ValueError(f"{leaf.path}: Dion takes real matrices; got dtype {leaf.dtype} "
+                       f"(shape {leaf.shape}). Route it to AdamW with `labels`.")
+    fraction = 1.0 if fractions[i] is None else fractions[i]
+    _check_fraction(fraction, leaf.path)
+    out.append(DionMatrix.of(leaf.layout, leaf.sharding, rank_of(fraction, leaf.layout),
+                             oversample=oversample, manual=spec.manual,
+                             product_dtype=product_dtype, power_iterations=power_iterations))
+  return out
+
+
+def make_settings(options: TreeOptions, rank_fraction: Any, oversample: float, product_dtype: Any,
+              power_iterations: Any) -> DionSettings:
+  """``DionSettings`` from the user's arguments, checked.
+
+  Raises:
+    ValueError: for a rank fraction, product dtype or iteration count out of range.
+  """
+  return DionSettings(options=options, rank_fraction=_freeze_fraction(rank_fraction),
+                      oversample=oversample, product_dtype=_product_dtype(product_dtype),
+                      power_iterations=_power_iterations(power_iterations))
+
+
+def _product_dtype(dtype: Any) -> Any:
+  """``dtype`` as a NumPy dtype (None stays None).
+
+  Raises:
+    ValueError: for a dtype that is not a real floating-point one.
+  """
+  if dtype is None:
+    return None
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError:
+    resolved = None
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(f"product_dtype must be a floating-point dtype such as 'bfloat16' or "
+                     f"None, got {dtype!r}.")
+  return resolved
+
+
+def _power_iterations(count: Any) -> int:
+  """Raises: ValueError unless ``count`` is an int ≥ 1."""
+  if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    raise ValueError(f"power_iterations must be an int ≥ 1, got {count!r}.")
+  return count
+
+
+def _freeze_fraction(rank_fraction: Any) -> Any:
+  if _is_fraction(rank_fraction):
+    _check_fraction(rank_fraction, "rank_fraction")
+  return tree_utils.freeze_prefix(rank_fraction, is_value=_is_fraction, what="rank_fraction")
+
