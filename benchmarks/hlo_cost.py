@@ -1,11 +1,15 @@
-"""Per-device figures read off a compiled XLA program: matmul FLOPs, collectives, memory.
+"""Per-device figures read off a compiled XLA program: matmul FLOPs,
+collectives, memory.
 
-XLA's own ``cost_analysis`` counts a while-loop body once; here every instruction is
-weighted by the trip counts of the loops around it (``known_trip_count``), so an NS loop of
-5 steps counts 5 times. A device runs one branch of a conditional (``lax.switch``): the
-FLOPs count its most expensive branch, and each branch's FLOPs are kept so that a caller
-who knows which device takes which branch gets every device's figure. Received bytes follow the ring model of ``shared/notes/muon.md``:
-all-gather and all-to-all B·(g−1)/g, reduce-scatter B·(g−1), all-reduce 2·B·(g−1)/g,
+XLA's own ``cost_analysis`` counts a while-loop body once; here every
+instruction is weighted by the trip counts of the loops around it
+(``known_trip_count``), so an NS loop of
+5 steps counts 5 times. A device runs one branch of a conditional
+  (``lax.switch``): the
+FLOPs count its most expensive branch, and each branch's FLOPs are kept so that
+a caller who knows which device takes which branch gets every device's figure.
+Received bytes follow the ring model of ``shared/notes/muon.md``: all-gather and
+all-to-all B·(g−1)/g, reduce-scatter B·(g−1), all-reduce 2·B·(g−1)/g,
 collective-permute B, with B the output bytes and g the group size.
 """
 
@@ -18,22 +22,47 @@ from collections import defaultdict
 
 import numpy as np
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$"
+)
 _CALLEE = re.compile(r"\b(?:calls|body|to_apply|condition)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
-                       r"false_computation=%?([\w.\-]+))")
-_COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
-                "collective-permute")
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+    r"false_computation=%?([\w.\-]+))"
+)
+_COLLECTIVES = (
+    "all-to-all",
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "collective-permute",
+)
 
 
 def _array_bytes(type_text: str) -> int:
-  return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-             for dt, dims in _ARRAY.findall(type_text))
+  return sum(
+      _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+      for dt, dims in _ARRAY.findall(type_text)
+  )
 
 
 def _dims(type_text: str) -> list[int]:
@@ -42,9 +71,13 @@ def _dims(type_text: str) -> list[int]:
 
 
 def _convolution_flops(line: str, type_text: str, rhs_dims: list[int]) -> int:
-  """2·|out|·(input features)·(window taps that land on input elements): a batched matrix
-  product written as a convolution (the TPU compiler's form: the batch as a spatial
-  dimension, window size k with lhs_dilate k, so that each output sees one input)."""
+  """2·|out|·(input features)·(window taps that land on input elements): a
+  batched matrix
+  product written as a convolution (the TPU compiler's form: the batch as a
+    spatial
+  dimension, window size k with lhs_dilate k, so that each output sees one
+  input).
+  """
   labels = re.search(r"dim_labels=\w+_(\w+)->", line).group(1)
   features = rhs_dims[labels.index("i")]
   window = re.search(r"window=\{([^}]*)\}", line)
@@ -52,8 +85,13 @@ def _convolution_flops(line: str, type_text: str, rhs_dims: list[int]) -> int:
   if window:
     fields = dict(f.split("=") for f in window.group(1).split())
     sizes = [int(v) for v in fields.get("size", "1").split("x")]
-    dilations = [int(v) for v in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")]
-    taps = math.prod(-(-size // dilation) for size, dilation in zip(sizes, dilations))
+    dilations = [
+        int(v)
+        for v in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")
+    ]
+    taps = math.prod(
+        -(-size // dilation) for size, dilation in zip(sizes, dilations)
+    )
   return 2 * math.prod(_dims(type_text)) * features * taps
 
 
@@ -69,7 +107,8 @@ def _group_size(line: str, default: int) -> int:
 
 @dataclasses.dataclass
 class Collective:
-  """One collective: its kind, output bytes, group size, and whether it sits in a loop."""
+  """One collective: its kind, output bytes, group size, and whether it sits in
+  a loop."""
 
   kind: str
   output_bytes: int
@@ -80,15 +119,20 @@ class Collective:
   @property
   def received_bytes(self) -> float:
     b, g = self.output_bytes, self.group_size
-    per_call = {"all-gather": b * (g - 1) / g, "all-to-all": b * (g - 1) / g,
-                "reduce-scatter": b * (g - 1), "all-reduce": 2 * b * (g - 1) / g,
-                "collective-permute": b}[self.kind]
+    per_call = {
+        "all-gather": b * (g - 1) / g,
+        "all-to-all": b * (g - 1) / g,
+        "reduce-scatter": b * (g - 1),
+        "all-reduce": 2 * b * (g - 1) / g,
+        "collective-permute": b,
+    }[self.kind]
     return per_call * self.multiplicity
 
 
 @dataclasses.dataclass
 class Conditional:
-  """One conditional: the dot FLOPs of each branch (in branch order), and how often it runs."""
+  """One conditional: the dot FLOPs of each branch (in branch order), and how
+  often it runs."""
 
   branch_flops: tuple[int, ...]
   multiplicity: int
@@ -99,11 +143,12 @@ class HloCost:
   """Per-device figures of one compiled program.
 
   Attributes:
-    dot_flops: 2·|out|·|contracted| summed over dot instructions (and the convolutions a TPU
-      writes them as), times loop trip counts; a conditional counts its most expensive
-      branch.
+    dot_flops: 2·|out|·|contracted| summed over dot instructions (and the
+      convolutions a TPU writes them as), times loop trip counts; a conditional
+      counts its most expensive branch.
     collectives: every collective instruction.
-    temp_bytes: XLA's temp allocation (``memory_analysis().temp_size_in_bytes``).
+    temp_bytes: XLA's temp allocation
+      (``memory_analysis().temp_size_in_bytes``).
     conditionals: every conditional that holds dots, outermost ones only.
   """
 
@@ -113,7 +158,8 @@ class HloCost:
   conditionals: list[Conditional] = dataclasses.field(default_factory=list)
 
   def device_dot_flops(self, branches: list[int]) -> int:
-    """Dot FLOPs of a device that takes branch ``branches[k]`` of conditional k."""
+    """Dot FLOPs of a device that takes branch ``branches[k]`` of conditional
+    k."""
     flops = self.dot_flops
     for c, b in zip(self.conditionals, branches, strict=True):
       flops += (c.branch_flops[b] - max(c.branch_flops)) * c.multiplicity
@@ -140,10 +186,14 @@ def analyze(compiled, device_count: int) -> HloCost:
   """
   text = compiled.as_text()
   computations = _computations(text)
-  entry = next(_COMPUTATION.match(l).group(1) for l in text.splitlines()
-               if l.startswith("ENTRY"))
+  entry = next(
+      _COMPUTATION.match(l).group(1)
+      for l in text.splitlines()
+      if l.startswith("ENTRY")
+  )
 
-  # Multiplicity of each computation: product of trip counts of the loops that reach it.
+  # Multiplicity of each computation: product of trip counts of the loops that
+  # reach it.
   multiplicity: dict[str, int] = defaultdict(int)
   in_loop: dict[str, bool] = defaultdict(bool)
   conditionals: list[Conditional] = []
@@ -157,9 +207,9 @@ def analyze(compiled, device_count: int) -> HloCost:
     return [match.group(2), match.group(3)]
 
   def trip_count(line: str) -> int:
-    """A while loop's trip count: XLA's ``known_trip_count`` where the compiler records it
-    (CPU, GPU), else the bound of the condition's ``i < N`` (the TPU compiler's loops,
-    counters from 0)."""
+    """A while loop's trip count: XLA's ``known_trip_count`` where the compiler
+    records it (CPU, GPU), else the bound of the condition's ``i < N`` (the TPU
+    compiler's loops, counters from 0)."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
     if known:
       return int(known.group(1))
@@ -194,7 +244,8 @@ def analyze(compiled, device_count: int) -> HloCost:
   memo: dict[str, int] = {}
 
   def dot_flops(name: str) -> int:
-    """Dot FLOPs of one run of computation ``name`` (loops, calls, costliest branch)."""
+    """Dot FLOPs of one run of computation ``name`` (loops, calls, costliest
+    branch)."""
     if name in memo:
       return memo[name]
     total, shapes = 0, {}
@@ -208,9 +259,13 @@ def analyze(compiled, device_count: int) -> HloCost:
         lhs = rest.split(",")[0].split()[-1].lstrip("%")
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
         lhs_dims = _dims(shapes.get(lhs, ""))
-        contracted = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
+        contracted = math.prod(
+            lhs_dims[int(d)] for d in contracting.group(1).split(",") if d
+        )
         total += 2 * math.prod(_dims(type_text)) * contracted
-      elif opcode == "convolution":  # how the TPU compiler writes a (batched) dot
+      elif (
+          opcode == "convolution"
+      ):  # how the TPU compiler writes a (batched) dot
         rhs = rest.split(",")[1].split()[-1].lstrip("%").rstrip(")")
         total += _convolution_flops(line, type_text, _dims(shapes.get(rhs, "")))
       elif opcode == "while":
@@ -219,7 +274,9 @@ def analyze(compiled, device_count: int) -> HloCost:
       elif opcode == "conditional":
         total += max(dot_flops(b) for b in branches(line))
       else:
-        total += sum(dot_flops(c) for c in _CALLEE.findall(line) if c in computations)
+        total += sum(
+            dot_flops(c) for c in _CALLEE.findall(line) if c in computations
+        )
     memo[name] = total
     return total
 
@@ -237,16 +294,27 @@ def analyze(compiled, device_count: int) -> HloCost:
       _, type_text, opcode, _ = inst.groups()
       base = opcode.removesuffix("-start")
       if base in _COLLECTIVES and not opcode.endswith("-done"):
-        collectives.append(Collective(base, _array_bytes(type_text),
-                                      _group_size(line, device_count), times, in_loop[name]))
+        collectives.append(
+            Collective(
+                base,
+                _array_bytes(type_text),
+                _group_size(line, device_count),
+                times,
+                in_loop[name],
+            )
+        )
   memory = compiled.memory_analysis()
-  return HloCost(dot_flops(entry), collectives,
-                 int(getattr(memory, "temp_size_in_bytes", 0)), conditionals)
+  return HloCost(
+      dot_flops(entry),
+      collectives,
+      int(getattr(memory, "temp_size_in_bytes", 0)),
+      conditionals,
+  )
 
 
 def _computations(text: str) -> dict[str, list[str]]:
-  """Computation name → its instruction lines, in the order printed (the schedule's, in a
-  scheduled module)."""
+  """Computation name → its instruction lines, in the order printed (the
+  schedule's, in a scheduled module)."""
   computations: dict[str, list[str]] = {}
   current = None
   for line in text.splitlines():
@@ -260,12 +328,12 @@ def _computations(text: str) -> dict[str, list[str]]:
 
 
 def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
-  """(output bytes of the ``kind`` collectives with matrix products scheduled between their
-  start and done, output bytes of all ``kind`` collectives), each collective counted once
-  (the exchange runs once per step, outside any loop).
+  """(output bytes of the ``kind`` collectives with matrix products scheduled
+  between their start and done, output bytes of all ``kind`` collectives), each
+  collective counted once (the exchange runs once per step, outside any loop).
 
-  A synchronous collective (no start/done pair, as the TPU compiler emits them unless
-  asynchronous collectives are enabled) overlaps nothing.
+  A synchronous collective (no start/done pair, as the TPU compiler emits them
+  unless asynchronous collectives are enabled) overlaps nothing.
   """
   computations = _computations(compiled.as_text())
   has_product: dict[str, bool] = {}
@@ -296,7 +364,10 @@ def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
         start = rest.split(")")[0].split(",")[0].strip().lstrip("%")
         if start in started:
           first, size = started.pop(start)
-          if any(_line_has_product(l, products) for l in lines[first + 1:position]):
+          if any(
+              _line_has_product(l, products)
+              for l in lines[first + 1 : position]
+          ):
             overlapped += size
   return overlapped, total
 
@@ -313,8 +384,9 @@ def _line_has_product(line: str, products) -> bool:
 def compiled_device_flops(cost, plan) -> np.ndarray:
   """Each device's compiled NS FLOPs, as an array of the mesh's shape.
 
-  The HLO gives each ``lax.switch`` branch's FLOPs; the plan says which branch each device
-  takes. A conditional is matched to the plan's switch with the same branch FLOPs.
+  The HLO gives each ``lax.switch`` branch's FLOPs; the plan says which branch
+  each device takes. A conditional is matched to the plan's switch with the same
+  branch FLOPs.
 
   Raises:
     ValueError: if the compiled conditionals don't match the plan's switches.
@@ -322,8 +394,10 @@ def compiled_device_flops(cost, plan) -> np.ndarray:
   switches = plan.switches()
   branches = [tuple(c.branch_flops) for c in cost.conditionals]
   if sorted(branches) != sorted(flops for flops, _ in switches):
-    raise ValueError(f"compiled branches {branches} are not the plan's "
-                     f"{[flops for flops, _ in switches]}")
+    raise ValueError(
+        f"compiled branches {branches} are not the plan's "
+        f"{[flops for flops, _ in switches]}"
+    )
   unmatched = list(switches)
   choice = []
   for flops in branches:

@@ -1,6 +1,6 @@
-"""Sphinx configuration: API reference from the docstrings, topic pages in Markdown, the
-quickstart notebook executed at build time (about a minute on a CPU). Builds offline (no
-intersphinx)."""
+"""Sphinx configuration: API reference from the docstrings, topic pages in
+Markdown, the quickstart notebook executed at build time (about a minute on a
+CPU). Builds offline (no intersphinx)."""
 
 import pathlib
 import shutil
@@ -23,16 +23,22 @@ extensions = [
     "sphinx.ext.mathjax",
     "myst_nb",
 ]
-source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
+source_suffix = {
+    ".rst": "restructuredtext",
+    ".md": "myst-nb",
+    ".ipynb": "myst-nb",
+}
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 myst_enable_extensions = ["dollarmath"]
 myst_heading_anchors = 3
-# The notebook is stored without outputs; every build runs it, so the page shows what this
-# checkout prints. A failing cell fails the build.
+# The notebook is stored without outputs; every build runs it, so the page shows
+# what this checkout prints. A failing cell fails the build.
 nb_execution_mode = "force"
 nb_execution_raise_on_error = True
 nb_execution_timeout = 600  # seconds per cell; training takes about a minute
-nb_merge_streams = True  # lines printed in a loop show as one block, not one per print
+nb_merge_streams = (
+    True  # lines printed in a loop show as one block, not one per print
+)
 
 autodoc_typehints = "none"  # the docstrings' Args say what each argument takes
 autodoc_member_order = "bysource"
@@ -46,8 +52,8 @@ html_title = "optax_muon"
 html_theme_options = {"show_toc_level": 2}
 suppress_warnings = ["myst.header"]
 
-# The notebook lives with the examples; the site renders a copy, run in its own folder with
-# the example model it imports beside it.
+# The notebook lives with the examples; the site renders a copy, run in its own
+# folder with the example model it imports beside it.
 _NOTEBOOKS = pathlib.Path(__file__).parent / "notebooks"
 _NOTEBOOKS.mkdir(exist_ok=True)
 for _name in ("quickstart.ipynb", "gpt.py"):
@@ -55,15 +61,17 @@ for _name in ("quickstart.ipynb", "gpt.py"):
 
 
 def _defining_comment(app, what, name, obj, options, lines):
-  """A constant that ``optax_muon`` re-exports gets the ``#:`` comment of the module that
-  defines it; autodoc, reading ``optax_muon/__init__.py``, would show its type's docstring
-  (tuple's, dict's)."""
+  """A constant that ``optax_muon`` re-exports gets the ``#:`` comment of the
+  module that defines it; autodoc, reading ``optax_muon/__init__.py``, would
+  show its type's docstring (tuple's, dict's)."""
   del app, obj, options
   if what != "data" or not name.startswith("optax_muon."):
     return
   attribute = name.rsplit(".", 1)[1]
   for module in sorted(m for m in sys.modules if m.startswith("optax_muon.")):
-    comment = ModuleAnalyzer.for_module(module).find_attr_docs().get(("", attribute))
+    comment = (
+        ModuleAnalyzer.for_module(module).find_attr_docs().get(("", attribute))
+    )
     if comment:
       lines[:] = list(comment)
       return

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pathlib
 
 
-def save_loss_plot(path: pathlib.Path, lines: list[tuple], ylabel: str,
-                   ylim: tuple[float, float] | None = None):
+def save_loss_plot(
+    path: pathlib.Path,
+    lines: list[tuple],
+    ylabel: str,
+    ylim: tuple[float, float] | None = None,
+):
   """Writes a PNG of loss curves against the step.
 
   Args:
@@ -19,6 +23,7 @@ def save_loss_plot(path: pathlib.Path, lines: list[tuple], ylabel: str,
     The (closed) matplotlib figure, for inspection.
   """
   import matplotlib  # noqa: PLC0415  (only the plotting path needs it)
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 

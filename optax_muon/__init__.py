@@ -1,28 +1,39 @@
-"""optax_muon: Muon (momentum orthogonalized by Newton–Schulz) for JAX and Optax.
+"""optax_muon: Muon (momentum orthogonalized by Newton–Schulz) for JAX and
+Optax.
 
-Optimizers: ``muon`` (Muon on the matrices, AdamW on the rest) and its building blocks
-``scale_by_muon`` and ``scale_by_shape`` (compose them in ``optax.chain``); ``dion`` and
-``scale_by_dion`` put Dion's low-rank direction in Newton–Schulz's place. Both take every
-argument of their ``optax.contrib`` namesakes; this package's own options come as the
-objects ``NSOptions``, ``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
+Optimizers: ``muon`` (Muon on the matrices, AdamW on the rest) and its building
+  blocks
+``scale_by_muon`` and ``scale_by_shape`` (compose them in ``optax.chain``);
+``dion`` and ``scale_by_dion`` put Dion's low-rank direction in Newton–Schulz's
+place. Both take every argument of their ``optax.contrib`` namesakes; this
+package's own options come as the objects ``NSOptions``, ``ShardingOptions``,
+``NorMuon``, ``Routing`` and ``QKClip``.
 
-Newton–Schulz: ``newton_schulz`` with the coefficient presets in ``PRESET_NAMES`` or a
-generated ``polar_express_coefficients`` table (``singular_value_range`` tells where a
-table puts the singular values), and ``msign``, its SVD reference.
+Newton–Schulz: ``newton_schulz`` with the coefficient presets in
+``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table
+(``singular_value_range`` tells where a table puts the singular values), and
+``msign``, its SVD reference.
 
-Routing (``Routing``, ``route``): embeddings, output heads, biases and vectors to AdamW;
-attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax, Equinox), your own
-``LayoutRule``\\ s, or logical axis names (``infer_dimension_numbers``).
+Routing (``Routing``, ``route``): embeddings, output heads, biases and vectors
+  to AdamW;
+attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax, Equinox),
+your own ``LayoutRule``\\ s, or logical axis names
+(``infer_dimension_numbers``).
 
-Tools: ``summarize`` shows where every leaf goes and what it costs there; ``diagnostics``
-gives per-step scalars to log; ``qk_clip`` (MuonClip) caps attention logits by rescaling
-query and key heads.
+Tools: ``summarize`` shows where every leaf goes and what it costs there;
+  ``diagnostics``
+gives per-step scalars to log; ``qk_clip`` (MuonClip) caps attention logits by
+rescaling query and key heads.
 
-The implementation lives in ``optax_muon._src`` (shared core, the two optimizers, the
-tools); only the names below are the public API.
+The implementation lives in ``optax_muon._src`` (shared core, the two
+optimizers, the tools); only the names below are the public API.
 """
 
-from optax_muon._src.core.layout_rules import KNOWN_LAYOUTS, LOGICAL_AXIS_ROLES, LayoutRule
+from optax_muon._src.core.layout_rules import (
+    KNOWN_LAYOUTS,
+    LOGICAL_AXIS_ROLES,
+    LayoutRule,
+)
 from optax_muon._src.core.matrices import MuonDimensionNumbers
 from optax_muon._src.core.options import Routing, ShardingOptions
 from optax_muon._src.core.profiles import CostModel
@@ -33,9 +44,12 @@ from optax_muon._src.core.weight_decay import add_cautious_decayed_weights
 from optax_muon._src.dion.alias import dion
 from optax_muon._src.dion.transform import DionState, scale_by_dion
 from optax_muon._src.muon.alias import muon
-from optax_muon._src.muon.coefficients import (PRESET_NAMES, NSCoefficients,
-                                               polar_express_coefficients,
-                                               singular_value_range)
+from optax_muon._src.muon.coefficients import (
+    PRESET_NAMES,
+    NSCoefficients,
+    polar_express_coefficients,
+    singular_value_range,
+)
 from optax_muon._src.muon.newton_schulz import msign, newton_schulz
 from optax_muon._src.muon.options import NorMuon, NSOptions
 from optax_muon._src.muon.transform import MuonState, scale_by_muon

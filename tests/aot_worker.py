@@ -1,5 +1,7 @@
-"""Compiles the sharded update for a TPU or GPU topology on this CPU host and prints what the
-compiler decided, as JSON (run by ``test_aot.py`` in a process of its own: a TPU and a GPU
+"""Compiles the sharded update for a TPU or GPU topology on this CPU host and
+prints what the
+compiler decided, as JSON (run by ``test_aot.py`` in a process of its own: a TPU
+  and a GPU
 compiler cannot share one).
 
   python tests/aot_worker.py tpu|cuda
@@ -14,7 +16,9 @@ import sys
 
 PLATFORM = sys.argv[1]
 if PLATFORM == "tpu":
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-512")  # quiets libtpu's host probing
+  os.environ.setdefault(
+      "TPU_ACCELERATOR_TYPE", "v5p-512"
+  )  # quiets libtpu's host probing
 else:
   os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin compiles deviceless
 
@@ -51,17 +55,34 @@ def _products(text: str) -> list[tuple[str, tuple[str, ...]]]:
 def main() -> None:
   mesh = aot.make_mesh(TARGET)
   n = mesh.devices.size
-  # One layer: 3 matrices on 4 or 8 devices, so that free communication makes teams.
-  shapes = {"q": (256, 256), "up": (256, 1024), "down": (1024, 256), "norm": (256,)}
-  shardings = {k: NamedSharding(mesh, P("fsdp") if len(s) == 2 else P())
-               for k, s in shapes.items()}
-  params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=shardings[k])
-            for k, s in shapes.items()}
+  # One layer: 3 matrices on 4 or 8 devices, so that free communication makes
+  # teams.
+  shapes = {
+      "q": (256, 256),
+      "up": (256, 1024),
+      "down": (1024, 256),
+      "norm": (256,),
+  }
+  shardings = {
+      k: NamedSharding(mesh, P("fsdp") if len(s) == 2 else P())
+      for k, s in shapes.items()
+  }
+  params = {
+      k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=shardings[k])
+      for k, s in shapes.items()
+  }
   out = {"device_kind": mesh.devices.flat[0].device_kind, "devices": n}
-  for name, model, compute in (("default", None, "auto"), ("float32", None, jnp.float32),
-                               ("teams", FREE, jnp.float32)):
-    tx = om.muon(0.02, param_shardings=shardings, ns_options=om.NSOptions(compute_dtype=compute),
-                 sharding=om.ShardingOptions(cost_model=model))
+  for name, model, compute in (
+      ("default", None, "auto"),
+      ("float32", None, jnp.float32),
+      ("teams", FREE, jnp.float32),
+  ):
+    tx = om.muon(
+        0.02,
+        param_shardings=shardings,
+        ns_options=om.NSOptions(compute_dtype=compute),
+        sharding=om.ShardingOptions(cost_model=model),
+    )
     with jax.set_mesh(mesh):
       state = jax.eval_shape(tx.init, params)
       compiled = jax.jit(tx.update).lower(params, state, params).compile()
@@ -71,22 +92,34 @@ def main() -> None:
     products = _products(compiled.as_text())
     out[name] = {
         "profile": summary.cost_model.name,
-        "teams": sorted({ex.team_size for g in plan.groups for ex in g.exchanges}),
-        "device_flops": hlo_cost.compiled_device_flops(cost, plan).reshape(-1).tolist(),
+        "teams": sorted(
+            {ex.team_size for g in plan.groups for ex in g.exchanges}
+        ),
+        "device_flops": (
+            hlo_cost.compiled_device_flops(cost, plan).reshape(-1).tolist()
+        ),
         "plan_flops": plan.device_ns_flops().reshape(-1).tolist(),
         "products": len(products),
-        "f32_highest": sum(t == ("f32", "f32") and "operand_precision={highest,highest}" in l
-                           for l, t in products),
+        "f32_highest": sum(
+            t == ("f32", "f32") and "operand_precision={highest,highest}" in l
+            for l, t in products
+        ),
         "bf16_operands": sum(t == ("bf16", "bf16") for _, t in products),
-        "loop_collectives": sorted(c.kind for c in cost.collectives if c.in_loop),
+        "loop_collectives": sorted(
+            c.kind for c in cost.collectives if c.in_loop
+        ),
         # Per distinct team program, its runs' collectives in each NS loop step.
         "plan_loop_collectives": sum(
-            r.cost.loop_collectives for g in plan.groups for ex in g.exchanges
+            r.cost.loop_collectives
+            for g in plan.groups
+            for ex in g.exchanges
             for i in range(len(ex.team_programs))
-            for r in ex.teams[list(ex.team_program_of).index(i)]),
+            for r in ex.teams[list(ex.team_program_of).index(i)]
+        ),
         "notes": list(summary.notes),
     }
-  # Dion at rank 1/4: what the compiler keeps of "no matrix gathered, small sums only".
+  # Dion at rank 1/4: what the compiler keeps of "no matrix gathered, small sums
+  # only".
   tx = om.dion(0.02, rank_fraction=0.25, param_shardings=shardings)
   with jax.set_mesh(mesh):
     state = jax.eval_shape(tx.init, params)
@@ -95,10 +128,14 @@ def main() -> None:
   cost = hlo_cost.analyze(compiled, n)
   out["dion"] = {
       "kinds": sorted({c.kind for c in cost.collectives}),
-      "largest_gather": max((c.output_bytes for c in cost.collectives
-                             if c.kind == "all-gather"), default=0),
+      "largest_gather": max(
+          (c.output_bytes for c in cost.collectives if c.kind == "all-gather"),
+          default=0,
+      ),
       "received_bytes": cost.received_bytes,
-      "modelled_bytes": sum(r.received_bytes for r in summary.by_optimizer("muon")),
+      "modelled_bytes": sum(
+          r.received_bytes for r in summary.by_optimizer("muon")
+      ),
       "loop_collectives": sum(c.in_loop for c in cost.collectives),
   }
   print("RESULT " + json.dumps(out))

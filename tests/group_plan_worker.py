@@ -1,6 +1,8 @@
-"""Run by ``test_group_plan.py`` with 64 virtual devices: the GPT tree (d=256, 3 layers, FSDP)
-with free communication. Prints the busiest device's compiled NS FLOPs ÷ Σc/N with teams and
-with whole matrices only, then the largest relative error against the single-device update."""
+"""Run by ``test_group_plan.py`` with 64 virtual devices: the GPT tree (d=256, 3
+layers, FSDP) with free communication. Prints the busiest device's compiled NS
+FLOPs ÷ Σc/N with teams and with whole matrices only, then the largest relative
+error against the single-device update.
+"""
 
 import math
 
@@ -21,12 +23,20 @@ def main():
   params = gpt_tree(256, 3)
   dims = muon_dims(params, adam=("embed", "lm_head"))
   mesh = jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), fsdp_specs(params, "fsdp"))
+  shardings = jax.tree.map(
+      lambda s: NamedSharding(mesh, s), fsdp_specs(params, "fsdp")
+  )
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   ns = om.NSOptions(method="standard")
-  tx = om.muon(0.02, muon_weight_dimension_numbers=dims, ns_options=ns,
-               sharding=om.ShardingOptions(cost_model=om.CostModel(1e12, math.inf, 0.0)))
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+  tx = om.muon(
+      0.02,
+      muon_weight_dimension_numbers=dims,
+      ns_options=ns,
+      sharding=om.ShardingOptions(cost_model=om.CostModel(1e12, math.inf, 0.0)),
+  )
+  grads = jax.tree.map(
+      lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params
+  )
   sharded = put(params)
   plan = om.summarize(sharded, tx).plan
   average = sum(p.layout.batch * p.flops for p in plan.leaves) / n
@@ -39,7 +49,10 @@ def main():
   whole = max(p.flops for p in plan.leaves)  # the whole-matrix plan's floor
   single = om.muon(0.02, muon_weight_dimension_numbers=dims, ns_options=ns)
   expected, _ = jax.jit(single.update)(grads, single.init(params), params)
-  err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
+  err = max(
+      rel_err(a, b)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+  )
   print(float(flops.max()) / average, whole / average, float(np.asarray(err)))
 
 

@@ -1,4 +1,5 @@
-"""Test helpers: matrices with prescribed spectra, singular-value checks, references."""
+"""Test helpers: matrices with prescribed spectra, singular-value checks,
+references."""
 
 import inspect
 
@@ -6,17 +7,25 @@ import numpy as np
 import optax
 import pytest
 
-#: Tests that compare against optax.contrib.muon need its 0.2.8 API (preconditioning,
-#: consistent_rms, MuonDimensionNumbers); with an older optax (the declared minimum is
+#: Tests that compare against optax.contrib.muon need its 0.2.8 API
+#: (preconditioning,
+#: consistent_rms, MuonDimensionNumbers); with an older optax (the declared
+#: minimum is
 #: 0.2.5) they are skipped, everything else runs.
 requires_contrib_api = pytest.mark.skipif(
     "preconditioning" not in inspect.signature(optax.contrib.muon).parameters,
-    reason=f"optax {optax.__version__}: optax.contrib.muon predates the 0.2.8 API compared with")
+    reason=(
+        f"optax {optax.__version__}: optax.contrib.muon predates the 0.2.8 API"
+        " compared with"
+    ),
+)
 
 
-def matrix_with_spectrum(rng: np.random.Generator, m: int, n: int,
-                         singular_values: np.ndarray) -> np.ndarray:
-  """A random m × n float64 matrix whose singular values are ``singular_values``."""
+def matrix_with_spectrum(
+    rng: np.random.Generator, m: int, n: int, singular_values: np.ndarray
+) -> np.ndarray:
+  """A random m × n float64 matrix whose singular values are
+  ``singular_values``."""
   k = min(m, n)
   u, _ = np.linalg.qr(rng.standard_normal((m, k)))
   v, _ = np.linalg.qr(rng.standard_normal((n, k)))
@@ -29,18 +38,21 @@ def singular_values(x) -> np.ndarray:
 
 
 def rel_err(a, b) -> float:
-  wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+  wide = (
+      np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+  )
   a, b = np.asarray(a, wide), np.asarray(b, wide)
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def numpy_newton_schulz(x, table) -> np.ndarray:
-  """Newton–Schulz in float64 NumPy, written out: the reference for ``newton_schulz``.
+  """Newton–Schulz in float64 NumPy, written out: the reference for
+  ``newton_schulz``.
 
   Args:
     x: one (m, n) matrix.
-    table: an ``NSCoefficients`` (its rows, safety and eps), or a list of (a, b, c) rows
-      (no safety, eps 1e-7).
+    table: an ``NSCoefficients`` (its rows, safety and eps), or a list of (a, b,
+      c) rows (no safety, eps 1e-7).
   """
   rows = getattr(table, "rows", table)
   safety, eps = getattr(table, "safety", 0.0), getattr(table, "eps", 1e-7)
@@ -55,9 +67,16 @@ def numpy_newton_schulz(x, table) -> np.ndarray:
 
 
 def random_grads(params, step: int, dtype=None):
-  """Standard-normal gradients shaped like ``params``, a different draw per ``step``."""
+  """Standard-normal gradients shaped like ``params``, a different draw per
+  ``step``."""
   import jax  # noqa: PLC0415  (helpers stay importable without JAX for NumPy-only tests)
+
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.PRNGKey(100 + step), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, dtype or x.dtype)
-                                      for k, x in zip(keys, leaves)])
+  return jax.tree.unflatten(
+      treedef,
+      [
+          jax.random.normal(k, x.shape, dtype or x.dtype)
+          for k, x in zip(keys, leaves)
+      ],
+  )

@@ -22,13 +22,16 @@ from trees import gpt_tree  # noqa: E402
 
 
 def sharded_steps(tx, params, grads, mesh, matrix_spec):
-  """``tx``'s steps on ``mesh`` (matrices laid out by ``matrix_spec``, the rest replicated):
-  (the last updates gathered whole on every process, the sharded params)."""
+  """``tx``'s steps on ``mesh`` (matrices laid out by ``matrix_spec``, the rest
+  replicated): (the last updates gathered whole on every process, the sharded
+    params)."""
   specs = jax.tree.map(lambda x: matrix_spec if x.ndim == 2 else P(), params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(  # noqa: E731
-      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), tree,
-      shardings)
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),
+      tree,
+      shardings,
+  )
   sharded_params = put(params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded_params)
@@ -37,13 +40,21 @@ def sharded_steps(tx, params, grads, mesh, matrix_spec):
   return multihost_utils.process_allgather(updates, tiled=True), sharded_params
 
 
-def check(params, cost_model, process_id: int, name: str, interleave: bool = False) -> None:
-  """Two steps of Muon on FSDP over both processes' 8 devices == one process's update.
-  ``interleave``: mesh devices alternate between the processes (so that every team of
+def check(
+    params, cost_model, process_id: int, name: str, interleave: bool = False
+) -> None:
+  """Two steps of Muon on FSDP over both processes' 8 devices == one process's
+  update.
+  ``interleave``: mesh devices alternate between the processes (so that every
+    team of
   consecutive devices spans both)."""
   rng = np.random.default_rng(7)
-  grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
-           for _ in range(2)]
+  grads = [
+      jax.tree.map(
+          lambda x: rng.standard_normal(x.shape).astype(np.float32), params
+      )
+      for _ in range(2)
+  ]
   ns = optax_muon.NSOptions(method="standard")
 
   # Single-process reference on this process's first device.
@@ -55,38 +66,60 @@ def check(params, cost_model, process_id: int, name: str, interleave: bool = Fal
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   if interleave:
     devices = [d for pair in zip(devices[:4], devices[4:]) for d in pair]
-  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",), axis_types=(AxisType.Explicit,))
-  tx = optax_muon.muon(0.1, ns_options=ns,
-                       sharding=optax_muon.ShardingOptions(cost_model=cost_model))
+  mesh = jax.sharding.Mesh(
+      np.array(devices), ("fsdp",), axis_types=(AxisType.Explicit,)
+  )
+  tx = optax_muon.muon(
+      0.1,
+      ns_options=ns,
+      sharding=optax_muon.ShardingOptions(cost_model=cost_model),
+  )
   gathered, sharded_params = sharded_steps(tx, params, grads, mesh, P("fsdp"))
-  worst = max(float(np.max(np.abs(a - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-              for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)))
+  worst = max(
+      float(np.max(np.abs(a - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+      for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference))
+  )
   plan = optax_muon.summarize(sharded_params, tx).plan
   teams = sum(len(ex.teams) for g in plan.groups for ex in g.exchanges)
-  sizes = sorted({ex.team_size for g in plan.groups for ex in g.exchanges if ex.teams})
-  print(f"MULTIHOST {name} process {process_id}: max relative difference {worst:.2e}; "
-        f"plan on {plan.device_count} devices, {teams} teams of {sizes}", flush=True)
+  sizes = sorted(
+      {ex.team_size for g in plan.groups for ex in g.exchanges if ex.teams}
+  )
+  print(
+      f"MULTIHOST {name} process {process_id}: max relative difference"
+      f" {worst:.2e}; plan on {plan.device_count} devices, {teams} teams of"
+      f" {sizes}",
+      flush=True,
+  )
   assert worst < 1e-5, worst
   assert (teams > 0) == (name == "teams"), teams
   if interleave:  # each team's devices belong to both processes
     for g in plan.groups:
       for ex in g.exchanges:
         for t in range(len(ex.teams)):
-          members = devices[t * ex.team_size:(t + 1) * ex.team_size]
+          members = devices[t * ex.team_size : (t + 1) * ex.team_size]
           assert len({d.process_index for d in members}) == 2
 
 
 def check_dion(params, process_id: int) -> None:
-  """Two steps of Dion (rank fractions 1/4 and 1) on FSDP × TP over both processes'
-  devices == one process's update."""
+  """Two steps of Dion (rank fractions 1/4 and 1) on FSDP × TP over both
+  processes' devices == one process's update."""
   rng = np.random.default_rng(8)
-  grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
-           for _ in range(2)]
+  grads = [
+      jax.tree.map(
+          lambda x: rng.standard_normal(x.shape).astype(np.float32), params
+      )
+      for _ in range(2)
+  ]
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  # tp pairs a device of each process: every product's partial sums cross processes.
-  mesh = jax.sharding.Mesh(np.array([d for pair in zip(devices[:4], devices[4:])
-                                     for d in pair]).reshape(4, 2), ("fsdp", "tp"),
-                           axis_types=(AxisType.Explicit,) * 2)
+  # tp pairs a device of each process: every product's partial sums cross
+  # processes.
+  mesh = jax.sharding.Mesh(
+      np.array(
+          [d for pair in zip(devices[:4], devices[4:]) for d in pair]
+      ).reshape(4, 2),
+      ("fsdp", "tp"),
+      axis_types=(AxisType.Explicit,) * 2,
+  )
   worst = 0.0
   for fraction in (0.25, 1.0):
     tx = optax_muon.dion(0.1, rank_fraction=fraction)
@@ -97,22 +130,38 @@ def check_dion(params, process_id: int) -> None:
     for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(reference)):
       b = np.asarray(b)
       # Square matrices at full rank: see test_dion._compare_to_single_device.
-      tolerance = 2e-4 if fraction == 1 and b.ndim == 2 and b.shape[0] == b.shape[1] else 1e-5
+      tolerance = (
+          2e-4
+          if fraction == 1 and b.ndim == 2 and b.shape[0] == b.shape[1]
+          else 1e-5
+      )
       error = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
       worst = max(worst, error / tolerance * 1e-5)
       assert error < tolerance, (fraction, b.shape, error)
-  print(f"MULTIHOST dion process {process_id}: max relative difference {worst:.2e} "
-        "(scaled to a 1e-5 tolerance)", flush=True)
+  print(
+      f"MULTIHOST dion process {process_id}: max relative difference"
+      f" {worst:.2e} (scaled to a 1e-5 tolerance)",
+      flush=True,
+  )
 
 
 def main(port: str, process_id: int) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  jax.distributed.initialize(
+      f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+  )
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   check(jax.tree.map(np.asarray, gpt_tree(32, 4)), None, process_id, "whole")
-  # One layer with free communication: teams split the matrices across the processes.
+  # One layer with free communication: teams split the matrices across the
+  # processes.
   free = optax_muon.CostModel(1e12, float("inf"), 0.0)
-  check(jax.tree.map(np.asarray, gpt_tree(32, 1)), free, process_id, "teams", interleave=True)
+  check(
+      jax.tree.map(np.asarray, gpt_tree(32, 1)),
+      free,
+      process_id,
+      "teams",
+      interleave=True,
+  )
   check_dion(jax.tree.map(np.asarray, gpt_tree(32, 2)), process_id)
   jax.distributed.shutdown()
 

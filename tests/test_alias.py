@@ -1,4 +1,5 @@
-"""muon: routing, the AdamW branch, weight decay, and parity with optax.contrib.muon."""
+"""muon: routing, the AdamW branch, weight decay, and parity with
+optax.contrib.muon."""
 
 import warnings
 
@@ -20,7 +21,10 @@ def _params():
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   return {
       "embed": {"embedding": jax.random.normal(ks[0], (64, 16))},
-      "layer": {"kernel": jax.random.normal(ks[1], (16, 32)), "bias": jnp.zeros(32)},
+      "layer": {
+          "kernel": jax.random.normal(ks[1], (16, 32)),
+          "bias": jnp.zeros(32),
+      },
       "norm": {"scale": jnp.ones(32)},
       "lm_head": {"kernel": jax.random.normal(ks[2], (32, 64))},
   }
@@ -35,7 +39,9 @@ def _labels(tx, params):
 
 def test_default_routing_of_nnx_gpt():
   """Every leaf of the example GPT lands where the README says."""
-  model = GPT(GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16), nnx.Rngs(0))
+  model = GPT(
+      GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16), nnx.Rngs(0)
+  )
   params = nnx.state(model, nnx.Param)
   tx = om.muon(0.02)
   summary = om.summarize(params, tx)
@@ -58,13 +64,19 @@ def test_default_routing_of_nnx_gpt():
 def test_summary_costs():
   params = {"w": jnp.zeros((64, 256)), "stack": jnp.zeros((3, 256, 64))}
   dims = {"w": None, "stack": DN(1, 2)}
-  tx = om.muon(0.1, ns_coeffs="polar_express", ns_steps=6,
-               ns_options=om.NSOptions(method="standard"),
-               muon_weight_dimension_numbers={"w": DN(), "stack": DN(1, 2)})
+  tx = om.muon(
+      0.1,
+      ns_coeffs="polar_express",
+      ns_steps=6,
+      ns_options=om.NSOptions(method="standard"),
+      muon_weight_dimension_numbers={"w": DN(), "stack": DN(1, 2)},
+  )
   rows = {r.path: r for r in om.summarize(params, tx).rows}
   assert rows["w"].ns_flops == 6 * (4 * 64 * 64 * 256 + 2 * 64**3)
   # Gram: 2 chunks of 3 steps, each 4·m²·n + 10·m³ + 8·m³.
-  gram = om.scale_by_muon(ns_coeffs="polar_express", ns_steps=6, weight_dimension_numbers=dims)
+  gram = om.scale_by_muon(
+      ns_coeffs="polar_express", ns_steps=6, weight_dimension_numbers=dims
+  )
   gram_rows = {r.path: r for r in om.summarize(params, gram).rows}
   assert gram_rows["w"].ns_flops == 2 * (4 * 64 * 64 * 256 + 18 * 64**3)
   assert gram_rows["w"].scale == 1.0  # scale_by_muon applies no shape factor
@@ -82,48 +94,83 @@ def test_three_d_leaves_without_dimension_numbers_warn_once_at_the_users_line():
     jax.jit(tx.init)(params)
     summary = om.summarize(params, tx)
   assert len(caught) == 1, [str(w.message) for w in caught]
-  assert caught[0].filename == __file__  # the user's line, not optax_muon's or optax's
+  assert (
+      caught[0].filename == __file__
+  )  # the user's line, not optax_muon's or optax's
   message = str(caught[0].message)
   assert "rank ≥ 3 go to AdamW" in message and "'stack (2×8×8)'" in message
-  assert "MuonDimensionNumbers(1, 2)" in message and "attention heads" in message
-  assert {r.path: r.optimizer for r in summary.rows} == {"stack": "adam", "w": "muon"}
+  assert (
+      "MuonDimensionNumbers(1, 2)" in message and "attention heads" in message
+  )
+  assert {r.path: r.optimizer for r in summary.rows} == {
+      "stack": "adam",
+      "w": "muon",
+  }
   assert message in summary.notes and message in str(summary)
 
 
 def test_dimension_numbers_route_like_optax_contrib():
-  params = {"stack": jnp.zeros((2, 8, 8)), "w": jnp.zeros((8, 8)), "b": jnp.zeros(8)}
+  params = {
+      "stack": jnp.zeros((2, 8, 8)),
+      "w": jnp.zeros((8, 8)),
+      "b": jnp.zeros(8),
+  }
   dims = {"stack": DN(1, 2), "w": None, "b": None}
   tx = om.muon(0.1, "polar_express", 8, muon_weight_dimension_numbers=dims)
-  # A 2-D leaf with None goes to AdamW, as in optax.contrib, and a warning says so.
-  with pytest.warns(UserWarning, match=r"None for leaves that the default routing puts on "
-                    r"Muon.*\['w \(8×8\)'\]"):
+  # A 2-D leaf with None goes to AdamW, as in optax.contrib, and a warning says
+  # so.
+  with pytest.warns(
+      UserWarning,
+      match=r"None for leaves that the default routing puts on "
+      r"Muon.*\['w \(8×8\)'\]",
+  ):
     assert _labels(tx, params) == {"stack": "muon", "w": "adam", "b": "adam"}
   grads = _grads(params, 0)
   updates, _ = tx.update(grads, tx.init(params), params)
-  # The stacked leaf is two orthogonalized 8 × 8 matrices (all σ = lr); w and b get NAdamW.
-  np.testing.assert_allclose(np.linalg.svd(np.asarray(updates["stack"]), compute_uv=False),
-                             0.1, rtol=2e-3)
+  # The stacked leaf is two orthogonalized 8 × 8 matrices (all σ = lr); w and b
+  # get NAdamW.
+  np.testing.assert_allclose(
+      np.linalg.svd(np.asarray(updates["stack"]), compute_uv=False),
+      0.1,
+      rtol=2e-3,
+  )
   nadamw = optax.adamw(0.1, nesterov=True, weight_decay=0.0)
   adam_params = {k: params[k] for k in ("w", "b")}
-  expected, _ = nadamw.update({k: grads[k] for k in ("w", "b")}, nadamw.init(adam_params),
-                              adam_params)
+  expected, _ = nadamw.update(
+      {k: grads[k] for k in ("w", "b")}, nadamw.init(adam_params), adam_params
+  )
   for k in ("w", "b"):
     assert rel_err(updates[k], expected[k]) < 1e-6, k
 
 
-@pytest.mark.parametrize("labels", [
-    {"embed": "muon", "layer": {"kernel": "adam", "bias": "adam"}, "norm": "adam",
-     "lm_head": "muon"},
-    lambda p: {"embed": "muon", "layer": {"kernel": "adam", "bias": "adam"}, "norm": "adam",
-               "lm_head": "muon"},
-])
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {
+            "embed": "muon",
+            "layer": {"kernel": "adam", "bias": "adam"},
+            "norm": "adam",
+            "lm_head": "muon",
+        },
+        lambda p: {
+            "embed": "muon",
+            "layer": {"kernel": "adam", "bias": "adam"},
+            "norm": "adam",
+            "lm_head": "muon",
+        },
+    ],
+)
 @pytest.mark.slow
 def test_user_labels_tree_prefix_and_callable(labels):
   params = _params()
   tx = om.muon(0.1, routing=om.Routing(labels=labels))
-  assert _labels(tx, params) == {"embed/embedding": "muon", "layer/kernel": "adam",
-                                 "layer/bias": "adam", "norm/scale": "adam",
-                                 "lm_head/kernel": "muon"}
+  assert _labels(tx, params) == {
+      "embed/embedding": "muon",
+      "layer/kernel": "adam",
+      "layer/bias": "adam",
+      "norm/scale": "adam",
+      "lm_head/kernel": "muon",
+  }
   state = tx.init(params)
   u, _ = tx.update(_grads(params, 0), state, params)
   # Muon on the embedding: its update is orthogonal (all singular values equal).
@@ -131,15 +178,43 @@ def test_user_labels_tree_prefix_and_callable(labels):
   assert sv.max() / sv.min() < 1.7  # Jordan's σ spread, not AdamW's.
 
 
-@pytest.mark.parametrize("labels,match", [
-    ({"embed": "muon"}, r"labels does not match the params: no entry for leaf 'layer/bias'"),
-    ({"embed": "sgd", "layer": "adam", "norm": "adam", "lm_head": "adam"},
-     r"leaf 'embed/embedding' has label 'sgd'"),
-    ({"embed": "adam", "layer": "muon", "norm": "adam", "lm_head": "adam"},
-     r"layer/bias: Muon needs a matrix; got a 1-D leaf"),
-    ({"embed": "adam", "layer": "adam", "norm": "adam", "lm_head": "adam", "extra": "adam"},
-     r"entries \['extra'\] name no leaf"),
-])
+@pytest.mark.parametrize(
+    "labels,match",
+    [
+        (
+            {"embed": "muon"},
+            r"labels does not match the params: no entry for leaf 'layer/bias'",
+        ),
+        (
+            {
+                "embed": "sgd",
+                "layer": "adam",
+                "norm": "adam",
+                "lm_head": "adam",
+            },
+            r"leaf 'embed/embedding' has label 'sgd'",
+        ),
+        (
+            {
+                "embed": "adam",
+                "layer": "muon",
+                "norm": "adam",
+                "lm_head": "adam",
+            },
+            r"layer/bias: Muon needs a matrix; got a 1-D leaf",
+        ),
+        (
+            {
+                "embed": "adam",
+                "layer": "adam",
+                "norm": "adam",
+                "lm_head": "adam",
+                "extra": "adam",
+            },
+            r"entries \['extra'\] name no leaf",
+        ),
+    ],
+)
 def test_bad_labels(labels, match):
   with pytest.raises(ValueError, match=match):
     om.muon(0.1, routing=om.Routing(labels=labels)).init(_params())
@@ -147,14 +222,27 @@ def test_bad_labels(labels, match):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_adam_branch_is_optax_adamw_and_muon_decay_is_decoupled(nesterov):
-  """As optax.contrib.muon: ``nesterov`` is Muon's look-ahead and NAdamW on the rest."""
+  """As optax.contrib.muon: ``nesterov`` is Muon's look-ahead and NAdamW on the
+  rest."""
   params = _params()
   lr, wd, adam_lr, adam_wd = 0.05, 0.1, 0.003, 0.01
-  tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
-               adam_b2=0.98, ns_coeffs="polar_express", ns_steps=8, nesterov=nesterov)
+  tx = om.muon(
+      lr,
+      weight_decay=wd,
+      adam_learning_rate=adam_lr,
+      adam_weight_decay=adam_wd,
+      adam_b2=0.98,
+      ns_coeffs="polar_express",
+      ns_steps=8,
+      nesterov=nesterov,
+  )
   adamw = optax.adamw(adam_lr, b2=0.98, weight_decay=adam_wd, nesterov=nesterov)
-  muon_only = optax.chain(om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8,
-                                           nesterov=nesterov), om.scale_by_shape())
+  muon_only = optax.chain(
+      om.scale_by_muon(
+          ns_coeffs="polar_express", ns_steps=8, nesterov=nesterov
+      ),
+      om.scale_by_shape(),
+  )
   adam_keys = ("embed", "norm", "lm_head")
   s, s_adam = tx.init(params), adamw.init(params)
   s_muon = muon_only.init({"w": params["layer"]["kernel"]})
@@ -200,17 +288,23 @@ def test_learning_rate_schedule_is_applied():
 
 
 def _mlp(key=jax.random.PRNGKey(0), sizes=(16, 64, 64, 4)):
-  """A plain MLP (no embedding or head names): every kernel is a Muon leaf in both."""
+  """A plain MLP (no embedding or head names): every kernel is a Muon leaf in
+  both."""
   keys = jax.random.split(key, len(sizes) - 1)
-  return {f"dense_{i}": {"kernel": jax.random.normal(k, (a, b)) / np.sqrt(a),
-                         "bias": jnp.zeros(b)}
-          for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
+  return {
+      f"dense_{i}": {
+          "kernel": jax.random.normal(k, (a, b)) / np.sqrt(a),
+          "bias": jnp.zeros(b),
+      }
+      for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+  }
 
 
 @requires_contrib_api
 @pytest.mark.slow
 def test_defaults_follow_optax_contrib_loss_curve():
-  """Default arguments of both on a plain MLP: the same loss curve over 20 steps (the
+  """Default arguments of both on a plain MLP: the same loss curve over 20 steps
+  (the
   differences left: the NS ε of the preset and the float32 normalization)."""
   x = jax.random.normal(jax.random.PRNGKey(1), (256, 16))
   y = jnp.sin(x[:, :4] * 2.0) + x[:, 4:8] ** 2
@@ -253,20 +347,39 @@ def _wrapped(kind, tx):
   return tx
 
 
-@pytest.mark.parametrize("kind", ["muon", "chain", "inject_hyperparams", "multi_steps",
-                                  "apply_if_finite", "nnx_optimizer"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "muon",
+        "chain",
+        "inject_hyperparams",
+        "multi_steps",
+        "apply_if_finite",
+        "nnx_optimizer",
+    ],
+)
 def test_summarize_and_diagnostics_find_muon_inside_wrappers(kind):
-  """Plain optax transformations: the tools find Muon's options by tracing ``init``."""
+  """Plain optax transformations: the tools find Muon's options by tracing
+  ``init``."""
   params = _params()
-  options = dict(ns_coeffs="polar_express", ns_steps=8, adam_learning_rate=1e-3,
-                 routing=om.Routing(adam_pattern="lm_head"), normalization=om.NorMuon(0.9))
+  options = dict(
+      ns_coeffs="polar_express",
+      ns_steps=8,
+      adam_learning_rate=1e-3,
+      routing=om.Routing(adam_pattern="lm_head"),
+      normalization=om.NorMuon(0.9),
+  )
   if kind == "inject_hyperparams":
-    tx = optax.inject_hyperparams(om.muon, static_args=("ns_steps",))(0.05, **options)
+    tx = optax.inject_hyperparams(om.muon, static_args=("ns_steps",))(
+        0.05, **options
+    )
   else:
     tx = _wrapped(kind, om.muon(0.05, **options))
   expected = om.summarize(params, om.muon(0.05, **options))
   # The embedding goes to Muon: only lm_head matches this routing's pattern.
-  assert {r.path: r.optimizer for r in expected.rows}["embed/embedding"] == "muon"
+  assert {r.path: r.optimizer for r in expected.rows}[
+      "embed/embedding"
+  ] == "muon"
   if kind == "nnx_optimizer":
     model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -281,7 +394,11 @@ def test_summarize_and_diagnostics_find_muon_inside_wrappers(kind):
   updates = plain.update(random_grads(params, 0), plain.init(params), params)[0]
   metrics = om.diagnostics(updates, holder, params)
   assert metrics == om.diagnostics(updates, plain, params)
-  assert set(metrics) == {"update_rms/muon", "update_rms/adam", "orthogonality_error"}
+  assert set(metrics) == {
+      "update_rms/muon",
+      "update_rms/adam",
+      "orthogonality_error",
+  }
 
 
 def test_summarize_rejects_foreign_transformations():
@@ -291,15 +408,21 @@ def test_summarize_rejects_foreign_transformations():
 
 def test_diagnostics():
   params = _params()
-  tx = om.muon(0.05, ns_coeffs="polar_express", ns_steps=8, adam_learning_rate=1e-3)
+  tx = om.muon(
+      0.05, ns_coeffs="polar_express", ns_steps=8, adam_learning_rate=1e-3
+  )
   state = tx.init(params)
   updates, state = tx.update(_grads(params, 0), state, params)
   metrics = jax.jit(lambda u: om.diagnostics(u, tx, params))(updates)
   muon_u = updates["layer"]["kernel"]
-  assert np.isclose(metrics["update_rms/muon"], jnp.sqrt(jnp.mean(muon_u**2)), rtol=1e-5)
+  assert np.isclose(
+      metrics["update_rms/muon"], jnp.sqrt(jnp.mean(muon_u**2)), rtol=1e-5
+  )
   adam_leaves = [updates[k] for k in ("embed", "norm", "lm_head")]
-  adam_rms = np.sqrt(sum(float(jnp.sum(x**2)) for x in jax.tree.leaves(adam_leaves))
-                     / sum(x.size for x in jax.tree.leaves(adam_leaves)))
+  adam_rms = np.sqrt(
+      sum(float(jnp.sum(x**2)) for x in jax.tree.leaves(adam_leaves))
+      / sum(x.size for x in jax.tree.leaves(adam_leaves))
+  )
   assert np.isclose(metrics["update_rms/adam"], adam_rms, rtol=1e-5)
   assert metrics["orthogonality_error"] < 1e-3  # Polar Express ×8: orthogonal
   jordan = om.muon(0.05, adam_learning_rate=1e-3)
@@ -310,14 +433,24 @@ def test_diagnostics():
 
 
 def test_cautious_weight_decay_matches_numpy_reference():
-  """W ← W − η·λ·W·[W ⊙ U ≥ 0] − η·U on both branches, U the direction before η."""
+  """W ← W − η·λ·W·[W ⊙ U ≥ 0] − η·U on both branches, U the direction before
+  η."""
   params = _params()
   lr, wd, adam_lr, adam_wd = 0.05, 0.3, 0.003, 0.2
-  tx = om.muon(lr, weight_decay=wd, adam_learning_rate=adam_lr, adam_weight_decay=adam_wd,
-               ns_coeffs="polar_express", ns_steps=8, cautious_weight_decay=True)
+  tx = om.muon(
+      lr,
+      weight_decay=wd,
+      adam_learning_rate=adam_lr,
+      adam_weight_decay=adam_wd,
+      ns_coeffs="polar_express",
+      ns_steps=8,
+      cautious_weight_decay=True,
+  )
   adam_dir = optax.scale_by_adam(nesterov=True)
-  muon_dir = optax.chain(om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
-                         om.scale_by_shape())
+  muon_dir = optax.chain(
+      om.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
+      om.scale_by_shape(),
+  )
   adam_keys = ("embed", "norm", "lm_head")
   s = tx.init(params)
   s_adam = adam_dir.init({k: params[k] for k in adam_keys})
@@ -329,49 +462,86 @@ def test_cautious_weight_decay_matches_numpy_reference():
     u_adam, s_adam = adam_dir.update({k: g[k] for k in adam_keys}, s_adam)
     u_muon, s_muon = muon_dir.update({"w": g["layer"]["kernel"]}, s_muon)
     for k in adam_keys:
-      for a, d, w in zip(jax.tree.leaves(u[k]), jax.tree.leaves(u_adam[k]),
-                         jax.tree.leaves(params[k])):
+      for a, d, w in zip(
+          jax.tree.leaves(u[k]),
+          jax.tree.leaves(u_adam[k]),
+          jax.tree.leaves(params[k]),
+      ):
         d, w = np.asarray(d, np.float64), np.asarray(w, np.float64)
         assert rel_err(a, -adam_lr * (d + adam_wd * w * (w * d >= 0))) < 1e-6, k
-    d, w = np.asarray(u_muon["w"], np.float64), np.asarray(params["layer"]["kernel"], np.float64)
+    d, w = np.asarray(u_muon["w"], np.float64), np.asarray(
+        params["layer"]["kernel"], np.float64
+    )
     masks.append(w * d >= 0)
     assert rel_err(u["layer"]["kernel"], -lr * (d + wd * w * masks[-1])) < 1e-6
     params = optax.apply_updates(params, u)
-  assert 0.2 < np.mean(masks) < 0.8  # the mask really selects: neither all nor none
+  assert (
+      0.2 < np.mean(masks) < 0.8
+  )  # the mask really selects: neither all nor none
 
 
 def test_cautious_weight_decay_keeps_the_state_structure():
   params = _params()
   plain = om.muon(0.02, weight_decay=0.1)
   cautious = om.muon(0.02, weight_decay=0.1, cautious_weight_decay=True)
-  injected = optax.inject_hyperparams(om.muon)(learning_rate=0.02, weight_decay=0.1,
-                                               cautious_weight_decay=True)
-  assert jax.tree.structure(plain.init(params)) == jax.tree.structure(cautious.init(params))
-  assert (jax.tree.structure(injected.init(params).inner_state)
-          == jax.tree.structure(cautious.init(params)))
+  injected = optax.inject_hyperparams(om.muon)(
+      learning_rate=0.02, weight_decay=0.1, cautious_weight_decay=True
+  )
+  assert jax.tree.structure(plain.init(params)) == jax.tree.structure(
+      cautious.init(params)
+  )
+  assert jax.tree.structure(
+      injected.init(params).inner_state
+  ) == jax.tree.structure(cautious.init(params))
   u1, _ = cautious.update(_grads(params, 0), cautious.init(params), params)
   u2, _ = injected.update(_grads(params, 0), injected.init(params), params)
   for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
-    assert rel_err(a, b) < 1e-4  # injected b2 = 0.999 in float32: 1 − b2ᵗ is off by ~7e-6
-  with pytest.raises(ValueError, match="weight_decay: cautious weight decay takes a number"):
-    om.muon(0.02, weight_decay=optax.constant_schedule(0.1), cautious_weight_decay=True)
+    assert (
+        rel_err(a, b) < 1e-4
+    )  # injected b2 = 0.999 in float32: 1 − b2ᵗ is off by ~7e-6
+  with pytest.raises(
+      ValueError, match="weight_decay: cautious weight decay takes a number"
+  ):
+    om.muon(
+        0.02,
+        weight_decay=optax.constant_schedule(0.1),
+        cautious_weight_decay=True,
+    )
 
 
 def test_summary_names_normuon_cautious_decay_and_the_ns_precision():
   params = _params()
-  text = str(om.summarize(params, om.muon(0.02, normalization=om.NorMuon(),
-                                          cautious_weight_decay=True)))
-  assert text.splitlines()[-3] == ("NorMuon (β₂ = 0.95) on 1 Muon leaf: updates normalized "
-                                   "per output neuron after NS.")
-  assert text.splitlines()[-2].startswith("Cautious weight decay: matrix and AdamW leaves")
-  assert text.splitlines()[-1] == ("Newton–Schulz products: float32 at full precision "
-                                   "(Precision.HIGHEST).")
+  text = str(
+      om.summarize(
+          params,
+          om.muon(0.02, normalization=om.NorMuon(), cautious_weight_decay=True),
+      )
+  )
+  assert text.splitlines()[-3] == (
+      "NorMuon (β₂ = 0.95) on 1 Muon leaf: updates normalized "
+      "per output neuron after NS."
+  )
+  assert text.splitlines()[-2].startswith(
+      "Cautious weight decay: matrix and AdamW leaves"
+  )
+  assert text.splitlines()[-1] == (
+      "Newton–Schulz products: float32 at full precision (Precision.HIGHEST)."
+  )
   assert "1 leaf on Muon, 4 on AdamW" in text
   plain = om.summarize(params, om.muon(0.02))
   assert len(plain.notes) == 1 and "NorMuon" not in str(plain)
-  stack = om.summarize({"w": jnp.zeros((2, 8, 8)), "v": jnp.zeros((8, 8))}, om.scale_by_muon(
-      normalization=om.NorMuon(0.9), weight_dimension_numbers={"w": DN(1, 2), "v": DN()},
-      ns_options=om.NSOptions(compute_dtype=jnp.bfloat16)))
-  assert stack.notes == ("NorMuon (β₂ = 0.9) on 2 Muon leaves: updates normalized per "
-                         "output neuron after NS.",
-                         "Newton–Schulz products: bfloat16 operands accumulated in float32.")
+  stack = om.summarize(
+      {"w": jnp.zeros((2, 8, 8)), "v": jnp.zeros((8, 8))},
+      om.scale_by_muon(
+          normalization=om.NorMuon(0.9),
+          weight_dimension_numbers={"w": DN(1, 2), "v": DN()},
+          ns_options=om.NSOptions(compute_dtype=jnp.bfloat16),
+      ),
+  )
+  assert stack.notes == (
+      (
+          "NorMuon (β₂ = 0.9) on 2 Muon leaves: updates normalized per "
+          "output neuron after NS."
+      ),
+      "Newton–Schulz products: bfloat16 operands accumulated in float32.",
+  )

@@ -1,9 +1,11 @@
-"""The update compiled by the real TPU and GPU compilers (ahead of time, on this CPU host):
-each device's NS FLOPs are the plan's, every float32 NS product is at full precision, the
-plan uses the target's own cost profile, and teams compile with their collectives inside
-the NS loop. Each platform compiles in a process of its own (``aot_worker.py``); a platform
-whose compile-only package is not installed is skipped with the command that installs it
-(``.ci/run`` makes such an environment).
+"""The update compiled by the real TPU and GPU compilers (ahead of time, on this
+CPU host): each device's NS FLOPs are the plan's, every float32 NS product is at
+  full precision, the
+plan uses the target's own cost profile, and teams compile with their
+collectives inside the NS loop. Each platform compiles in a process of its own
+(``aot_worker.py``); a platform whose compile-only package is not installed is
+skipped with the command that installs it (``.ci/run`` makes such an
+environment).
 """
 
 import importlib.util
@@ -18,20 +20,38 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = {"tpu": ("libtpu", 'pip install "jax[tpu]"'),
-            "cuda": ("jax_cuda12_plugin", "pip install jax-cuda12-plugin nvidia-cuda-nvcc-cu12")}
-EXPECTED = {"tpu": ("TPU v5 lite", "TPU v5e"), "cuda": ("NVIDIA H100 80GB HBM3", "H100 SXM")}
+PACKAGES = {
+    "tpu": ("libtpu", 'pip install "jax[tpu]"'),
+    "cuda": (
+        "jax_cuda12_plugin",
+        "pip install jax-cuda12-plugin nvidia-cuda-nvcc-cu12",
+    ),
+}
+EXPECTED = {
+    "tpu": ("TPU v5 lite", "TPU v5e"),
+    "cuda": ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+}
 
 
 def _compile(platform: str) -> dict:
   module, install = PACKAGES[platform]
   if importlib.util.find_spec(module) is None:
-    missing = f"no {platform} compiler here ({install}, of the installed JAX's version)"
-    if os.environ.get("OPTAX_MUON_REQUIRE_AOT"):  # set by .ci/run's compiler environment
+    missing = (
+        f"no {platform} compiler here ({install}, of the installed JAX's"
+        " version)"
+    )
+    if os.environ.get(
+        "OPTAX_MUON_REQUIRE_AOT"
+    ):  # set by .ci/run's compiler environment
       pytest.fail(missing)
     pytest.skip(missing)
-  run = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_worker.py"), platform],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+  run = subprocess.run(
+      [sys.executable, str(ROOT / "tests" / "aot_worker.py"), platform],
+      capture_output=True,
+      text=True,
+      timeout=600,
+      cwd=ROOT,
+  )
   lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
   assert run.returncode == 0 and lines, run.stderr[-3000:]
   return json.loads(lines[-1].removeprefix("RESULT "))
@@ -44,27 +64,53 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
   assert out["device_kind"] == kind
   for name in ("default", "float32", "teams"):
     got = out[name]
-    assert got["device_flops"] == got["plan_flops"], name  # per device, from the HLO
+    assert (
+        got["device_flops"] == got["plan_flops"]
+    ), name  # per device, from the HLO
     assert got["products"] > 0, name
-  # Asked for float32: every product's operands are float32 at HIGHEST (none quietly
+  # Asked for float32: every product's operands are float32 at HIGHEST (none
+  # quietly
   # converted to bfloat16). By default on an accelerator: bf16 operands.
   for name in ("float32", "teams"):
     assert out[name]["f32_highest"] == out[name]["products"], out[name]
     assert any("float32 at full precision" in n for n in out[name]["notes"])
-  assert out["default"]["bf16_operands"] == out["default"]["products"], out["default"]
-  assert any("bfloat16 operands accumulated in float32" in n for n in out["default"]["notes"])
-  assert out["default"]["profile"] == profile  # planned from this CPU host for the target
+  assert out["default"]["bf16_operands"] == out["default"]["products"], out[
+      "default"
+  ]
+  assert any(
+      "bfloat16 operands accumulated in float32" in n
+      for n in out["default"]["notes"]
+  )
+  assert (
+      out["default"]["profile"] == profile
+  )  # planned from this CPU host for the target
   assert max(out["teams"]["teams"]) > 1
-  # Each distinct team run loops over its NS steps with the collectives the plan counts: the
-  # Gram matrix's reduce-scatter (the TPU compiler emits it as an all-reduce of the small
-  # m × m matrix) and the all-gathers of its rows and of the polynomial's.
+  # Each distinct team run loops over its NS steps with the collectives the plan
+  # counts: the Gram matrix's reduce-scatter (the TPU compiler emits it as an
+  # all-reduce of the small m × m matrix) and the all-gathers of its rows and of
+  # the polynomial's.
   loop = out["teams"]["loop_collectives"]
-  assert loop and set(loop) <= {"all-reduce", "reduce-scatter", "all-gather"}, loop
+  assert loop and set(loop) <= {
+      "all-reduce",
+      "reduce-scatter",
+      "all-gather",
+  }, loop
   assert len(loop) == out["teams"]["plan_loop_collectives"], loop
-  assert loop.count("all-gather") == 2 * (len(loop) - loop.count("all-gather")), loop
-  # Dion (rank 1/4 of 256: r = 64): no all-to-all and no gathered matrix; the compiler
-  # receives what summarize models (its ring model), give or take the partitioner's reshards.
+  assert loop.count("all-gather") == 2 * (
+      len(loop) - loop.count("all-gather")
+  ), loop
+  # Dion (rank 1/4 of 256: r = 64): no all-to-all and no gathered matrix; the
+  # compiler receives what summarize models (its ring model), give or take the
+  # partitioner's reshards.
   dion = out["dion"]
-  assert "all-to-all" not in dion["kinds"] and dion["loop_collectives"] == 0, dion
-  assert dion["largest_gather"] <= (256 + 256) * 64 * 4, dion  # the smallest (m + n)·r
-  assert dion["modelled_bytes"] <= dion["received_bytes"] <= 1.2 * dion["modelled_bytes"], dion
+  assert (
+      "all-to-all" not in dion["kinds"] and dion["loop_collectives"] == 0
+  ), dion
+  assert (
+      dion["largest_gather"] <= (256 + 256) * 64 * 4
+  ), dion  # the smallest (m + n)·r
+  assert (
+      dion["modelled_bytes"]
+      <= dion["received_bytes"]
+      <= 1.2 * dion["modelled_bytes"]
+  ), dion

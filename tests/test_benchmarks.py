@@ -1,4 +1,5 @@
-"""The benchmarks run in their --quick modes (they print tables; no timing is asserted)."""
+"""The benchmarks run in their --quick modes (they print tables; no timing is
+asserted)."""
 
 import json
 import pathlib
@@ -6,32 +7,51 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(
+    0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+)
 
 import orthogonality  # noqa: E402
 import single_device  # noqa: E402
 from helpers import requires_contrib_api  # noqa: E402
 
-pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+pytestmark = (
+    pytest.mark.slow
+)  # compiles or trains real models: the full suite only
 
 
 @requires_contrib_api
 def test_single_device_quick(capsys):
   update_rows, ns_rows = single_device.main(["--quick"])
   names = {r["optimizer"] for r in update_rows}
-  assert {"optax.contrib.muon", "optax.adamw", "optax_muon (method=auto)",
-          "optax_muon (method=standard)"} <= names
-  for r in update_rows:  # each update's time over optax.contrib.muon's, timed alongside
+  assert {
+      "optax.contrib.muon",
+      "optax.adamw",
+      "optax_muon (method=auto)",
+      "optax_muon (method=standard)",
+  } <= names
+  for (
+      r
+  ) in (
+      update_rows
+  ):  # each update's time over optax.contrib.muon's, timed alongside
     if r["optimizer"] == "optax_muon (method=standard)":
       continue  # timed in a second round, against that round's optax.contrib.muon
-    base = next(b["ms"] for b in update_rows
-                if b["tree"] == r["tree"] and b["optimizer"] == "optax.contrib.muon")
+    base = next(
+        b["ms"]
+        for b in update_rows
+        if b["tree"] == r["tree"] and b["optimizer"] == "optax.contrib.muon"
+    )
     assert r["vs_contrib"] == pytest.approx(r["ms"] / base)
-  # NS throughput of the d=64, 2-layer stacked tree: one row per canonical shape and method
-  # (q, k, v, o: 4·2 of 64×64; mlp in and out: 2·2 of 64×256, the same shape once turned).
+  # NS throughput of the d=64, 2-layer stacked tree: one row per canonical shape
+  # and method
+  # (q, k, v, o: 4·2 of 64×64; mlp in and out: 2·2 of 64×256, the same shape
+  # once turned).
   assert sorted((r["shape"], r["method"]) for r in ns_rows) == sorted(
-      (shape, method) for shape in ("8 × 64×64", "4 × 64×256")
-      for method in ("standard", "auto"))
+      (shape, method)
+      for shape in ("8 × 64×64", "4 × 64×256")
+      for method in ("standard", "auto")
+  )
   assert "vs_contrib" in capsys.readouterr().out
 
 
@@ -49,6 +69,7 @@ def test_orthogonality_quick():
 @requires_contrib_api
 def test_sharding_quick():
   import sharding
+
   rows = sharding.main(["--quick"])
   assert {r["tree"].split(" ")[0] for r in rows} == {"GPT", "GQA+SwiGLU", "MoE"}
   for r in rows:
@@ -59,35 +80,60 @@ def test_sharding_quick():
 @requires_contrib_api
 def test_convergence_quick(tmp_path):
   import convergence
+
   summary = convergence.main(["--quick", "--out", str(tmp_path)])
   labels = [r["optimizer"] for r in summary["table"]]
   assert labels[:3] == ["AdamW", "optax_muon.muon", "optax.contrib.muon"]
-  assert summary["table"][0]["steps to AdamW's final"] == 1.0  # AdamW reaches its own final
-  assert {"optax_muon NorMuon", "optax_muon cautious weight decay 0.1",
-          "optax_muon weight decay 0.1", "optax_muon NorMuon + cautious weight decay 0.1",
-          "optax_muon polar_express", "optax_muon.dion, rank fraction 0.25"} <= set(labels)
+  assert (
+      summary["table"][0]["steps to AdamW's final"] == 1.0
+  )  # AdamW reaches its own final
+  assert {
+      "optax_muon NorMuon",
+      "optax_muon cautious weight decay 0.1",
+      "optax_muon weight decay 0.1",
+      "optax_muon NorMuon + cautious weight decay 0.1",
+      "optax_muon polar_express",
+      "optax_muon.dion, rank fraction 0.25",
+  } <= set(labels)
   runs = summary["runs"]
-  assert "'cautious_weight_decay': True" in runs[
-      "optax_muon cautious weight decay 0.1 seed=0"]["variant"]
-  assert "NorMuon(beta=0.95)" in runs["optax_muon NorMuon lr=0.02 seed=0"]["variant"]
-  # Each finished run is saved at once; --resume reuses them instead of training again.
+  assert (
+      "'cautious_weight_decay': True"
+      in runs["optax_muon cautious weight decay 0.1 seed=0"]["variant"]
+  )
+  assert (
+      "NorMuon(beta=0.95)"
+      in runs["optax_muon NorMuon lr=0.02 seed=0"]["variant"]
+  )
+  # Each finished run is saved at once; --resume reuses them instead of training
+  # again.
   again = convergence.main(["--quick", "--out", str(tmp_path), "--resume"])
   assert json.dumps(again["table"]) == json.dumps(summary["table"])  # NaN-safe
-  report = convergence.main(["--quick", "--out", str(tmp_path), "--report"])  # trains nothing
+  report = convergence.main(
+      ["--quick", "--out", str(tmp_path), "--report"]
+  )  # trains nothing
   assert json.dumps(report["table"]) == json.dumps(summary["table"])
-  assert (tmp_path / "convergence.png").exists() and (tmp_path / "convergence.json").exists()
+  assert (tmp_path / "convergence.png").exists() and (
+      tmp_path / "convergence.json"
+  ).exists()
 
 
 def test_dion_vs_muon():
-  """Dion's modelled step beside Muon's plan on the large abstract trees: a row per tree and
-  mesh; Dion's bytes scale with the rank, and on FSDP 32 × TP 8 at rank 1/64 it moves
-  fewer bytes than Muon's exchange (both sides split), on FSDP 256 more (one side)."""
+  """Dion's modelled step beside Muon's plan on the large abstract trees: a row
+  per tree and mesh; Dion's bytes scale with the rank, and on FSDP 32 × TP 8 at
+  rank 1/64 it moves fewer bytes than Muon's exchange (both sides split), on
+  FSDP 256 more (one side).
+  """
   import dion_vs_muon  # noqa: PLC0415
+
   rows = dion_vs_muon.main(["--profiles", "h100"])
   assert len(rows) == len(dion_vs_muon.CASES)
   for row in rows:
-    assert (row["Dion r=1 MB"] > row["Dion r=0.25 MB"] > row["Dion r=0.0625 MB"]
-            > row["Dion r=0.015625 MB"])
+    assert (
+        row["Dion r=1 MB"]
+        > row["Dion r=0.25 MB"]
+        > row["Dion r=0.0625 MB"]
+        > row["Dion r=0.015625 MB"]
+    )
     assert row["Dion r=0.25 bf16 ms"] < row["Dion r=0.25 ms"]
   by_mesh = {(r["tree"], r["mesh"]): r for r in rows}
   tp = by_mesh["Llama-7B-like", "fsdp 32 × tp 8"]

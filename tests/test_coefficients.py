@@ -1,4 +1,5 @@
-"""Coefficient tables: the Polar Express generator and the exact-arithmetic bounds."""
+"""Coefficient tables: the Polar Express generator and the exact-arithmetic
+bounds."""
 
 import numpy as np
 import pytest
@@ -25,7 +26,9 @@ def test_generator_reproduces_published_table():
 def test_generator_applies_safety_to_all_rows_but_last():
   safe = om.polar_express_coefficients(8, 1e-3)
   for (a, b, c), (pa, pb, pc) in zip(safe[:-1], PUBLISHED_8[:-1]):
-    np.testing.assert_allclose((a, b, c), (pa / 1.01, pb / 1.01**3, pc / 1.01**5), rtol=1e-9)
+    np.testing.assert_allclose(
+        (a, b, c), (pa / 1.01, pb / 1.01**3, pc / 1.01**5), rtol=1e-9
+    )
   assert safe[-1] == PUBLISHED_8[-1]
 
 
@@ -37,8 +40,15 @@ def test_generator_is_greedy_and_collapses_to_the_limit():
 
 @pytest.mark.parametrize("lower_bound", [1e-2, 1e-3, 1e-4])
 def test_generated_tables_improve_with_steps(lower_bound):
-  errors = [max(abs(v - 1) for v in om.singular_value_range(
-      ("polar_express", s, lower_bound), lower_bound)) for s in range(3, 9)]
+  errors = [
+      max(
+          abs(v - 1)
+          for v in om.singular_value_range(
+              ("polar_express", s, lower_bound), lower_bound
+          )
+      )
+      for s in range(3, 9)
+  ]
   assert all(b <= a + 1e-12 for a, b in zip(errors, errors[1:])), errors
 
 

@@ -1,6 +1,6 @@
-"""Dion: converges to Muon's direction at full rank, finite on degenerate gradients, routed
-like ``muon``, and on 8 virtual devices equal to the single-device update with only small
-collectives in the compiled program."""
+"""Dion: converges to Muon's direction at full rank, finite on degenerate
+gradients, routed like ``muon``, and on 8 virtual devices equal to the
+single-device update with only small collectives in the compiled program."""
 
 import math
 
@@ -35,22 +35,33 @@ def _dion_state(state):
   return state.inner_states["muon"].inner_state[0]
 
 
-# ---------------------------------------------------------------------------- the algorithm
+# ----------------------------------------------------------------------------
+# the algorithm
+
 
 def test_full_rank_converges_to_svd_polar_factor():
-  """Fed one gradient (distinct singular values 0.8ᵏ) for 50 steps at rank fraction 1, the
-  direction is U·Vᵀ of a float64 SVD to 1e-3, its singular values within 1e-3 of 1: tall,
-  wide and stacked (3 matrices along a batch axis) leaves, float32."""
+  """Fed one gradient (distinct singular values 0.8ᵏ) for 50 steps at rank
+  fraction 1, the direction is U·Vᵀ of a float64 SVD to 1e-3, its singular
+  values within 1e-3 of 1: tall, wide and stacked (3 matrices along a batch
+  axis) leaves, float32."""
   rng = np.random.default_rng(0)
   spectrum = lambda k: 0.8 ** np.arange(k)
-  params = {"tall": np.zeros((24, 16)), "wide": np.zeros((16, 40)),
-            "stack": np.zeros((3, 12, 20))}
-  grads = {"tall": matrix_with_spectrum(rng, 24, 16, spectrum(16)),
-           "wide": matrix_with_spectrum(rng, 16, 40, spectrum(16)),
-           "stack": np.stack([matrix_with_spectrum(rng, 12, 20, spectrum(12))
-                              for _ in range(3)])}
-  tx = om.scale_by_dion(1.0, weight_dimension_numbers={"tall": None, "wide": None,
-                                                       "stack": DN(1, 2)})
+  params = {
+      "tall": np.zeros((24, 16)),
+      "wide": np.zeros((16, 40)),
+      "stack": np.zeros((3, 12, 20)),
+  }
+  grads = {
+      "tall": matrix_with_spectrum(rng, 24, 16, spectrum(16)),
+      "wide": matrix_with_spectrum(rng, 16, 40, spectrum(16)),
+      "stack": np.stack(
+          [matrix_with_spectrum(rng, 12, 20, spectrum(12)) for _ in range(3)]
+      ),
+  }
+  tx = om.scale_by_dion(
+      1.0,
+      weight_dimension_numbers={"tall": None, "wide": None, "stack": DN(1, 2)},
+  )
   f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
   updates, _ = _run(tx, f32(params), [f32(grads)], steps=50)
   for name, g in grads.items():
@@ -62,14 +73,23 @@ def test_full_rank_converges_to_svd_polar_factor():
     assert np.all(np.abs(s - 1) < 1e-3), (name, s.min(), s.max())
 
 
-@pytest.mark.parametrize("fraction,iterations", [
-    pytest.param(1.0, 1, marks=pytest.mark.slow), (0.5, 1),
-    pytest.param(0.125, 1, marks=pytest.mark.slow), (0.5, 2)])
+@pytest.mark.parametrize(
+    "fraction,iterations",
+    [
+        pytest.param(1.0, 1, marks=pytest.mark.slow),
+        (0.5, 1),
+        pytest.param(0.125, 1, marks=pytest.mark.slow),
+        (0.5, 2),
+    ],
+)
 def test_matches_a_float64_reference_of_the_algorithm(fraction, iterations):
-  """20 steps of ``scale_by_dion`` (float32, randomized Cholesky-QR at rank < 1) on drifting
-  gradients equal the algorithm written out in float64 NumPy with Householder QR, from the
-  same initial Q: both orthonormalizations are P·T with T upper triangular, so they agree
-  up to column signs, which the update and the buffer do not see. ``iterations``: power
+  """20 steps of ``scale_by_dion`` (float32, randomized Cholesky-QR at rank < 1)
+  on drifting gradients equal the algorithm written out in float64 NumPy with
+  Householder QR, from the
+  same initial Q: both orthonormalizations are P·T with T upper triangular, so
+    they agree
+  up to column signs, which the update and the buffer do not see.
+    ``iterations``: power
   iterations per step."""
   rng = np.random.default_rng(0)
   m, n, beta = 32, 64, 0.9
@@ -88,39 +108,59 @@ def test_matches_a_float64_reference_of_the_algorithm(fraction, iterations):
     buffer = momentum - (1 - beta) * p @ r.T
     q = r / np.linalg.norm(r, axis=0, keepdims=True)
     want = p @ q.T
-    assert np.max(np.abs(np.asarray(got["w"]) - want)) < 5e-4 * np.max(np.abs(want))
+    assert np.max(np.abs(np.asarray(got["w"]) - want)) < 5e-4 * np.max(
+        np.abs(want)
+    )
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_degenerate_gradients_give_finite_updates(fraction):
-  """Gradients of rank below r (all zeros, one nonzero row, rank 2 with r ≥ 8) give finite
-  updates and state, Q keeps unit columns, and a zero gradient gives a zero update."""
+  """Gradients of rank below r (all zeros, one nonzero row, rank 2 with r ≥ 8)
+  give finite updates and state, Q keeps unit columns, and a zero gradient gives
+  a zero update.
+  """
   rng = np.random.default_rng(1)
   m, n = 32, 16
   one_row = np.zeros((m, n))
   one_row[5] = rng.standard_normal(n)
-  grads = {"zeros": np.zeros((m, n)), "one_row": one_row,
-           "rank_2": rng.standard_normal((m, 2)) @ rng.standard_normal((2, n))}
+  grads = {
+      "zeros": np.zeros((m, n)),
+      "one_row": one_row,
+      "rank_2": rng.standard_normal((m, 2)) @ rng.standard_normal((2, n)),
+  }
   grads = {k: jnp.asarray(g, jnp.float32) for k, g in grads.items()}
   tx = om.scale_by_dion(fraction)
-  updates, state = _run(tx, jax.tree.map(jnp.zeros_like, grads), [grads], steps=4)
+  updates, state = _run(
+      tx, jax.tree.map(jnp.zeros_like, grads), [grads], steps=4
+  )
   for path, x in _by_path((updates, state)).items():
     assert np.all(np.isfinite(x)), path
   for kind, q in state.q.items():
-    np.testing.assert_allclose(np.linalg.norm(q, axis=0), 1.0, atol=1e-5, err_msg=kind)
+    np.testing.assert_allclose(
+        np.linalg.norm(q, axis=0), 1.0, atol=1e-5, err_msg=kind
+    )
   assert not np.any(updates["zeros"])
-  assert np.max(np.abs(updates["one_row"])) > 0 and np.max(np.abs(updates["rank_2"])) > 0
+  assert (
+      np.max(np.abs(updates["one_row"])) > 0
+      and np.max(np.abs(updates["rank_2"])) > 0
+  )
 
 
 def test_rank_and_state():
-  """Ranks: ceil(fraction · min(m, n)); Q is (batch…, n, r) on the long side; state in
-  float32 for bfloat16 params; per-leaf fractions as a tree or a callable."""
-  params = {"a": jnp.zeros((64, 16), jnp.bfloat16), "b": jnp.zeros((4, 8, 48)),
-            "c": jnp.zeros((10, 30))}
+  """Ranks: ceil(fraction · min(m, n)); Q is (batch…, n, r) on the long side;
+  state in float32 for bfloat16 params; per-leaf fractions as a tree or a
+  callable."""
+  params = {
+      "a": jnp.zeros((64, 16), jnp.bfloat16),
+      "b": jnp.zeros((4, 8, 48)),
+      "c": jnp.zeros((10, 30)),
+  }
   dims = {"a": None, "b": DN(1, 2), "c": None}
   fractions = {"a": 0.25, "b": 1.0, "c": 1 / 3}
   for fraction in (fractions, lambda p: fractions):
-    state = om.scale_by_dion(fraction, weight_dimension_numbers=dims).init(params)
+    state = om.scale_by_dion(fraction, weight_dimension_numbers=dims).init(
+        params
+    )
     assert state.q["a"].shape == (64, 4) and state.q["a"].dtype == jnp.float32
     assert state.momentum["a"].dtype == jnp.float32
     assert state.q["b"].shape == (4, 48, 8)
@@ -139,34 +179,54 @@ def test_bad_inputs():
   params = {"blocks": {"w": jnp.zeros((8, 8)), "v": jnp.zeros((8, 8))}}
   with pytest.raises(ValueError, match="blocks/v: rank_fraction"):
     om.scale_by_dion({"blocks": {"w": 0.5, "v": 2.0}}).init(params)
-  complex_params = {"blocks": {"w": jnp.zeros((8, 8)), "z": jnp.zeros((8, 8), jnp.complex64)}}
+  complex_params = {
+      "blocks": {"w": jnp.zeros((8, 8)), "z": jnp.zeros((8, 8), jnp.complex64)}
+  }
   with pytest.raises(ValueError, match="blocks/z: Dion takes real matrices"):
     om.scale_by_dion().init(complex_params)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   tx = om.scale_by_dion()
-  with pytest.raises(ValueError, match="inside shard_map the leaves are local blocks"):
-    jax.shard_map(lambda w: tx.init({"w": w}).q["w"], mesh=mesh, in_specs=P("fsdp"),
-                  out_specs=P())(jax.device_put(jnp.zeros((16, 8)), NamedSharding(mesh, P("fsdp"))))
+  with pytest.raises(
+      ValueError, match="inside shard_map the leaves are local blocks"
+  ):
+    jax.shard_map(
+        lambda w: tx.init({"w": w}).q["w"],
+        mesh=mesh,
+        in_specs=P("fsdp"),
+        out_specs=P(),
+    )(jax.device_put(jnp.zeros((16, 8)), NamedSharding(mesh, P("fsdp"))))
   with pytest.raises(ValueError, match="blocks/z: Dion takes real matrices"):
-    om.dion(0.1, routing=om.Routing(labels={"blocks": {"w": "muon", "z": "muon"}})).init(
-        complex_params)
+    om.dion(
+        0.1, routing=om.Routing(labels={"blocks": {"w": "muon", "z": "muon"}})
+    ).init(complex_params)
 
 
 def _by_path(tree):
-  return {jax.tree_util.keystr(p, simple=True, separator="/"): x
-          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+      jax.tree_util.keystr(p, simple=True, separator="/"): x
+      for p, x in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 def test_dion_is_muon_with_another_direction():
-  """``dion`` routes like ``muon``: its matrix updates are −η·(scale(n_in, n_out)·
-  ``scale_by_dion``'s direction + λ·W), the embedding, head and vectors get NAdamW's."""
+  """``dion`` routes like ``muon``: its matrix updates are −η·(scale(n_in,
+  n_out)· ``scale_by_dion``'s direction + λ·W), the embedding, head and vectors
+  get NAdamW's.
+  """
   params = gpt_tree(8, 1, vocab=32)
   grads = [random_like(params, s) for s in (1, 2)]
-  tx = om.dion(0.02, rank_fraction=0.5, weight_decay=0.1, adam_learning_rate=3e-3,
-               adam_weight_decay=0.01)
+  tx = om.dion(
+      0.02,
+      rank_fraction=0.5,
+      weight_decay=0.1,
+      adam_learning_rate=3e-3,
+      adam_weight_decay=0.01,
+  )
   updates, _ = _run(tx, params, grads)
   block = lambda tree: {k: tree["blocks"]["0"][k] for k in MATRICES}
-  expected, _ = _run(om.scale_by_dion(0.5), block(params), [block(g) for g in grads])
+  expected, _ = _run(
+      om.scale_by_dion(0.5), block(params), [block(g) for g in grads]
+  )
   adamw = optax.adamw(3e-3, weight_decay=0.01, nesterov=True)
   adam_updates, _ = _run(adamw, params, grads)
   got, adam_got = _by_path(updates), _by_path(adam_updates)
@@ -174,7 +234,9 @@ def test_dion_is_muon_with_another_direction():
     name = path.split("/")[-1]
     if name in MATRICES:
       w = params["blocks"]["0"][name]
-      want = -0.02 * (scale_factor(*w.shape, "jordan") * expected[name] + 0.1 * w)
+      want = -0.02 * (
+          scale_factor(*w.shape, "jordan") * expected[name] + 0.1 * w
+      )
       assert rel_err(u, want) < 1e-5, path
     else:
       assert rel_err(u, adam_got[path]) < 1e-6, path
@@ -184,8 +246,12 @@ def test_dion_is_muon_with_another_direction():
 def test_dion_and_muon_update_the_adamw_leaves_alike():
   params = gpt_tree(16, 1)
   grads = [random_like(params, s) for s in (1, 2)]
-  kw = dict(weight_decay=0.1, adam_learning_rate=3e-3, adam_weight_decay=0.01,
-            adam_weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim == 2, p))
+  kw = dict(
+      weight_decay=0.1,
+      adam_learning_rate=3e-3,
+      adam_weight_decay=0.01,
+      adam_weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim == 2, p),
+  )
   dion_got = _by_path(_run(om.dion(0.02, 0.25, **kw), params, grads)[0])
   muon_got = _by_path(_run(om.muon(0.02, **kw), params, grads)[0])
   adam_leaves = [p for p in dion_got if p.split("/")[-1] not in MATRICES]
@@ -200,26 +266,35 @@ D = 32
 
 
 def _fsdp_specs(params):
-  return jax.tree.map(lambda x: P("fsdp") if x.shape[0] % 8 == 0 else P(), params)
+  return jax.tree.map(
+      lambda x: P("fsdp") if x.shape[0] % 8 == 0 else P(), params
+  )
 
 
 def _megatron_specs(params):
-  """FSDP × TP: column-parallel (q, k, v, mlp_in) P(fsdp, tp), row-parallel P(tp, fsdp)."""
+  """FSDP × TP: column-parallel (q, k, v, mlp_in) P(fsdp, tp), row-parallel
+  P(tp, fsdp)."""
+
   def spec(path, x):
     if x.ndim == 1:
       return P()
-    return P("tp", "fsdp") if path[-1].key in ("o", "mlp_out") else P("fsdp", "tp")
+    return (
+        P("tp", "fsdp") if path[-1].key in ("o", "mlp_out") else P("fsdp", "tp")
+    )
+
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def _stacked_specs(params):
-  """Stacked layers split over fsdp along the layer axis, the rest replicated."""
+  """Stacked layers split over fsdp along the layer axis, the rest
+  replicated."""
   return jax.tree.map(lambda x: P("fsdp") if x.ndim == 3 else P(), params)
 
 
 CASES = {
-    # name: (mesh shape, axis names, layers (stacked: True, 8 layers), specs); "fsdp8"
-    # keeps one layer's q, mlp_in and mlp_out (square, wide, tall) to compile fast.
+    # name: (mesh shape, axis names, layers (stacked: True, 8 layers), specs);
+    # "fsdp8" keeps one layer's q, mlp_in and mlp_out (square, wide, tall) to
+    # compile fast.
     "fsdp8": ((8,), ("fsdp",), 1, _fsdp_specs),
     "fsdp8-2-layers": ((8,), ("fsdp",), 2, _fsdp_specs),
     "fsdp4xtp2": ((4, 2), ("fsdp", "tp"), 2, _megatron_specs),
@@ -228,45 +303,66 @@ CASES = {
 
 
 def _sharded_run(case, axis_type, fraction, steps=2):
-  """(updates, state, compiled update, sharded params, shardings) for ``case``, and the
-  single-device updates."""
+  """(updates, state, compiled update, sharded params, shardings) for ``case``,
+  and the single-device updates."""
   shape, names, layers, specs_fn = CASES[case]
   stacked = layers is True
   params = gpt_tree(D, 8 if stacked else layers, stacked=stacked)
   if case == "fsdp8":
-    params["blocks"]["0"] = {k: v for k, v in params["blocks"]["0"].items()
-                             if k not in ("k", "v", "o")}
+    params["blocks"]["0"] = {
+        k: v
+        for k, v in params["blocks"]["0"].items()
+        if k not in ("k", "v", "o")
+    }
   dims = muon_dims(params, adam=("embed", "lm_head")) if stacked else None
   grads = [random_like(params, 10 + t) for t in range(steps)]
-  reference, _ = _run(om.dion(0.1, rank_fraction=fraction,
-                              muon_weight_dimension_numbers=dims), params, grads)
+  reference, _ = _run(
+      om.dion(0.1, rank_fraction=fraction, muon_weight_dimension_numbers=dims),
+      params,
+      grads,
+  )
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   explicit = axis_type == AxisType.Explicit
-  tx = om.dion(0.1, rank_fraction=fraction, muon_weight_dimension_numbers=dims,
-               param_shardings=None if explicit else shardings)
+  tx = om.dion(
+      0.1,
+      rank_fraction=fraction,
+      muon_weight_dimension_numbers=dims,
+      param_shardings=None if explicit else shardings,
+  )
   sharded_params = put(params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded_params)
-    update = jax.jit(tx.update).lower(put(grads[0]), state, sharded_params).compile()
+    update = (
+        jax.jit(tx.update).lower(put(grads[0]), state, sharded_params).compile()
+    )
     for t in range(steps):
       updates, state = update(put(grads[t]), state, sharded_params)
   return updates, state, update, sharded_params, shardings, reference
 
 
-@pytest.mark.parametrize("case,axis_type", [
-    ("fsdp8", AxisType.Explicit),
-    pytest.param("fsdp4xtp2", AxisType.Explicit, marks=pytest.mark.slow),
-    pytest.param("fsdp8-2-layers", AxisType.Auto, marks=pytest.mark.slow),
-    pytest.param("fsdp8-stacked-layer-axis", AxisType.Explicit, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "case,axis_type",
+    [
+        ("fsdp8", AxisType.Explicit),
+        pytest.param("fsdp4xtp2", AxisType.Explicit, marks=pytest.mark.slow),
+        pytest.param("fsdp8-2-layers", AxisType.Auto, marks=pytest.mark.slow),
+        pytest.param(
+            "fsdp8-stacked-layer-axis",
+            AxisType.Explicit,
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_sharded_equals_single_device(case, axis_type):
-  """``dion`` on a GPT-like tree at rank fraction 1/2: equal to one device (1e-5, f32),
-  updates and the buffer B sharded like the params, Q like the param's long side
-  (replicated elsewhere); the compiled update's collectives as in
-  ``test_compiled_collectives_are_small``."""
-  updates, state, compiled, params, shardings, reference = _sharded_run(case, axis_type, 0.5)
+  """``dion`` on a GPT-like tree at rank fraction 1/2: equal to one device
+  (1e-5, f32), updates and the buffer B sharded like the params, Q like the
+  param's long side (replicated elsewhere); the compiled update's collectives as
+  in ``test_compiled_collectives_are_small``."""
+  updates, state, compiled, params, shardings, reference = _sharded_run(
+      case, axis_type, 0.5
+  )
   got, want = _by_path(updates), _by_path(reference)
   for path, u in got.items():
     assert rel_err(u, want[path]) < 1e-5, path
@@ -278,14 +374,18 @@ def test_sharded_equals_single_device(case, axis_type):
   shapes = {path: x.shape for path, x in _by_path(params).items()}
   assert set(factors) == {p for p in shapes if p.split("/")[-1] in MATRICES}
   for path, q in factors.items():
-    assert buffers[path].sharding.is_equivalent_to(placed[path], len(shapes[path])), path
-    # Q: (batch…, long side, r): the param's batch and long-side axes, r unsharded.
+    assert buffers[path].sharding.is_equivalent_to(
+        placed[path], len(shapes[path])
+    ), path
+    # Q: (batch…, long side, r): the param's batch and long-side axes, r
+    # unsharded.
     shape = shapes[path]
     long_axis = len(shape) - 2 if shape[-2] > shape[-1] else len(shape) - 1
     entries = tuple(placed[path].spec) + (None,) * len(shape)
-    want_q = P(*entries[:len(shape) - 2], entries[long_axis], None)
-    assert q.sharding.is_equivalent_to(NamedSharding(placed[path].mesh, want_q), q.ndim), (
-        path, want_q)
+    want_q = P(*entries[: len(shape) - 2], entries[long_axis], None)
+    assert q.sharding.is_equivalent_to(
+        NamedSharding(placed[path].mesh, want_q), q.ndim
+    ), (path, want_q)
   _check_collectives(compiled, params, 0.5)
 
 
@@ -293,7 +393,10 @@ def _algorithm_bytes(params, fraction, itemsize=4):
   """Σ over the matrices of (m + n)·r·itemsize, and the smallest (m + n)·r."""
   total, smallest = 0, math.inf
   for x in jax.tree.leaves(params):
-    if x.ndim != 2 or x.shape in ((256, D), (D, 256)):  # embedding and head: AdamW
+    if x.ndim != 2 or x.shape in (
+        (256, D),
+        (D, 256),
+    ):  # embedding and head: AdamW
       continue
     layout = make_layout("w", x, None)
     elements = (layout.n_in + layout.n_out) * rank_of(fraction, layout)
@@ -305,7 +408,9 @@ def _check_collectives(compiled, params, fraction):
   cost = hlo_cost.analyze(compiled, 8)
   bound, smallest = _algorithm_bytes(params, fraction)
   assert "all-to-all" not in {c.kind for c in cost.collectives}
-  gathers = [c.output_bytes // 4 for c in cost.collectives if c.kind == "all-gather"]
+  gathers = [
+      c.output_bytes // 4 for c in cost.collectives if c.kind == "all-gather"
+  ]
   assert all(g <= smallest for g in gathers), (gathers, smallest)
   assert cost.received_bytes <= 1.5 * bound, (cost.received_bytes, bound)
   assert cost.collectives_in_loops == 0
@@ -314,29 +419,36 @@ def _check_collectives(compiled, params, fraction):
 @pytest.mark.slow
 @pytest.mark.parametrize("case,fraction", [("fsdp8-2-layers", 1.0)])
 def test_compiled_collectives_are_small(case, fraction):
-  """The compiled update (Explicit mesh) has no all-to-all, no all-gather of more than
-  min (m + n)·r elements (full rank gathers P, m·r), and receives per device at most
-  1.5 × Σ (m + n)·r·4 bytes (Σ over the Muon matrices, r = ceil(fraction · min(m, n));
-  ring model of ``benchmarks/hlo_cost.py``: all-reduce 2·B·(g−1)/g, all-gather
-  B·(g−1)/g). (``test_summary_models_the_compiled_collectives`` and
+  """The compiled update (Explicit mesh) has no all-to-all, no all-gather of
+  more than min (m + n)·r elements (full rank gathers P, m·r), and receives per
+  device at most 1.5 × Σ (m + n)·r·4 bytes (Σ over the Muon matrices, r =
+  ceil(fraction · min(m, n)); ring model of ``benchmarks/hlo_cost.py``:
+  all-reduce 2·B·(g−1)/g, all-gather B·(g−1)/g).
+  (``test_summary_models_the_compiled_collectives`` and
   ``test_sharded_equals_single_device`` check the other layouts and ranks.)"""
-  _, _, compiled, params, _, _ = _sharded_run(case, AxisType.Explicit, fraction, steps=1)
+  _, _, compiled, params, _, _ = _sharded_run(
+      case, AxisType.Explicit, fraction, steps=1
+  )
   _check_collectives(compiled, params, fraction)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,fraction", [("fsdp8", 0.5), ("fsdp4xtp2", 1.0)])
 def test_shard_map_equals_single_device(case, fraction):
-  """``dion`` inside the user's jitted ``shard_map`` (local blocks in, ``psum``s and, at
-  full rank, P's row gather by axis name): init outside and inside the ``shard_map`` agree
+  """``dion`` inside the user's jitted ``shard_map`` (local blocks in, ``psum``s
+  and, at
+  full rank, P's row gather by axis name): init outside and inside the
+    ``shard_map`` agree
   (Q's column norms summed in another order), two steps equal one device (as
-  ``_compare_to_single_device``), and the compiled step's collectives are as small as
-  under ``jit`` (``_check_collectives``)."""
+  ``_compare_to_single_device``), and the compiled step's collectives are as
+  small as under ``jit`` (``_check_collectives``)."""
   shape, names, layers, specs_fn = CASES[case]
   params = gpt_tree(D, layers)
   grads = [random_like(params, 10 + t) for t in range(2)]
   reference, _ = _run(om.dion(0.1, rank_fraction=fraction), params, grads)
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  mesh = jax.make_mesh(
+      shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+  )
   specs = specs_fn(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
@@ -345,12 +457,23 @@ def test_shard_map_equals_single_device(case, fraction):
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init)(sharded)
     state_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
-    inside = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,),
-                                   out_specs=state_specs))(sharded)
+    inside = jax.jit(
+        jax.shard_map(
+            tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs
+        )
+    )(sharded)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(inside)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-    step = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(specs, state_specs, specs),
-                                 out_specs=(specs, state_specs)))
+      np.testing.assert_allclose(
+          np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+      )
+    step = jax.jit(
+        jax.shard_map(
+            tx.update,
+            mesh=mesh,
+            in_specs=(specs, state_specs, specs),
+            out_specs=(specs, state_specs),
+        )
+    )
     step = step.lower(put(grads[0]), state, sharded).compile()
     for g in grads:
       updates, state = step(put(g), state, sharded)
@@ -359,55 +482,85 @@ def test_shard_map_equals_single_device(case, fraction):
 
 
 def _compare_to_single_device(updates, reference, fraction):
-  """1e-5 relative, but for square matrices at full rank: there P = M·Q is square and its
-  Q factor is as ill-conditioned as P (κ(M)² after a step), so summing M·Q's products in
-  another order moves the update by up to about 6e-5 on random Gaussian gradients; those
-  get 2e-4."""
+  """1e-5 relative, but for square matrices at full rank: there P = M·Q is
+  square and its Q factor is as ill-conditioned as P (κ(M)² after a step), so
+  summing M·Q's products in another order moves the update by up to about 6e-5
+  on random Gaussian gradients; those get 2e-4."""
   got, want = _by_path(updates), _by_path(reference)
   for path, u in got.items():
     square = u.ndim >= 2 and u.shape[-1] == u.shape[-2]
-    assert rel_err(u, want[path]) < (2e-4 if fraction == 1 and square else 1e-5), path
+    assert rel_err(u, want[path]) < (
+        2e-4 if fraction == 1 and square else 1e-5
+    ), path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,fraction,tolerance", [
-    ("fsdp8-2-layers", 0.25, 1.0),
-    ("fsdp4xtp2", 1.0, 1.2),
-])
+@pytest.mark.parametrize(
+    "case,fraction,tolerance",
+    [
+        ("fsdp8-2-layers", 0.25, 1.0),
+        ("fsdp4xtp2", 1.0, 1.2),
+    ],
+)
 def test_summary_models_the_compiled_collectives(case, fraction, tolerance):
-  """``summarize`` of ``dion``: each matrix leaf's rank and Dion's figures, beside the bytes a
-  whole-matrix exchange would move for it; the modelled bytes a device receives equal the compiled program's
-  (ring model) on FSDP, and are within 1.2× on FSDP × TP (XLA adds reshards there); the
-  compiled collectives as ``test_compiled_collectives_are_small`` checks them."""
-  _, _, compiled, params, _, _ = _sharded_run(case, AxisType.Explicit, fraction, steps=1)
-  summary = om.summarize(params, optax.chain(optax.clip_by_global_norm(1.0),
-                                             om.dion(0.1, rank_fraction=fraction)))
+  """``summarize`` of ``dion``: each matrix leaf's rank and Dion's figures,
+  beside the bytes a whole-matrix exchange would move for it; the modelled bytes
+  a device receives equal the compiled program's (ring model) on FSDP, and are
+  within 1.2× on FSDP × TP (XLA adds reshards there); the compiled collectives
+  as ``test_compiled_collectives_are_small`` checks them.
+  """
+  _, _, compiled, params, _, _ = _sharded_run(
+      case, AxisType.Explicit, fraction, steps=1
+  )
+  summary = om.summarize(
+      params,
+      optax.chain(
+          optax.clip_by_global_norm(1.0), om.dion(0.1, rank_fraction=fraction)
+      ),
+  )
   rows = {r.path: r for r in summary.by_optimizer("muon")}
-  assert set(rows) == {p for p in _by_path(params) if p.split("/")[-1] in MATRICES}
+  assert set(rows) == {
+      p for p in _by_path(params) if p.split("/")[-1] in MATRICES
+  }
   for path, row in rows.items():
     layout = make_layout(path, _by_path(params)[path], None)
     assert row.rank == rank_of(fraction, layout), path
-    assert not hasattr(row, "ns_flops") and row.flops_per_device > 0 and row.seconds > 0, path
-    assert row.exchange_bytes == pytest.approx(2 * 4 * math.prod(row.shape) * 7 / 8), path
+    assert (
+        not hasattr(row, "ns_flops")
+        and row.flops_per_device > 0
+        and row.seconds > 0
+    ), path
+    assert row.exchange_bytes == pytest.approx(
+        2 * 4 * math.prod(row.shape) * 7 / 8
+    ), path
   _check_collectives(compiled, params, fraction)
   modelled = sum(r.received_bytes for r in rows.values())
   received = hlo_cost.analyze(compiled, 8).received_bytes
-  assert received <= tolerance * modelled and modelled <= received, (received, modelled)
+  assert received <= tolerance * modelled and modelled <= received, (
+      received,
+      modelled,
+  )
   text = str(summary)
-  assert "on Dion" in text and "exchange MB: what a whole-matrix exchange" in text
+  assert (
+      "on Dion" in text and "exchange MB: what a whole-matrix exchange" in text
+  )
   assert summary.step_seconds > 0
   single = om.summarize(gpt_tree(D, 1), om.dion(0.1, rank_fraction=fraction))
-  assert all(r.received_bytes == 0 and r.exchange_bytes == 0
-             for r in single.by_optimizer("muon"))
+  assert all(
+      r.received_bytes == 0 and r.exchange_bytes == 0
+      for r in single.by_optimizer("muon")
+  )
   assert "exchange MB" not in str(single)
 
 
 def test_bfloat16_products():
-  """``product_dtype="bfloat16"``: the four large products take bfloat16 operands (seen in
-  the jaxpr) and the update stays within bfloat16 rounding of the float32 one; other
-  dtypes are refused."""
+  """``product_dtype="bfloat16"``: the four large products take bfloat16
+  operands (seen in the jaxpr) and the update stays within bfloat16 rounding of
+  the float32 one; other dtypes are refused."""
   params = {"w": jnp.zeros((32, 64))}
-  grads = [{"w": jax.random.normal(jax.random.key(t), (32, 64))} for t in range(3)]
+  grads = [
+      {"w": jax.random.normal(jax.random.key(t), (32, 64))} for t in range(3)
+  ]
   full, _ = _run(om.scale_by_dion(0.5), params, grads)
   tx = om.scale_by_dion(0.5, product_dtype="bfloat16")
   low, _ = _run(tx, params, grads)
@@ -415,30 +568,46 @@ def test_bfloat16_products():
   state = tx.init(params)
   jaxpr = str(jax.make_jaxpr(tx.update)(grads[0], state))
   assert jaxpr.count("preferred_element_type=float32") >= 4 and "bf16" in jaxpr
-  with pytest.raises(ValueError, match="product_dtype must be a floating-point dtype"):
+  with pytest.raises(
+      ValueError, match="product_dtype must be a floating-point dtype"
+  ):
     om.dion(0.1, product_dtype="int8")
   with pytest.raises(ValueError, match="power_iterations must be an int ≥ 1"):
     om.scale_by_dion(power_iterations=0)
 
 
 def test_summary_of_dion_on_an_abstract_mesh():
-  """``summarize`` of ``dion`` from abstract shapes on FSDP 8: per matrix its rank and Dion's
-  ring-model bytes (P = M·Q needs no sum when the rows are split; R = Mᵀ·P, the sketch
-  and the Gram are all-reduced over the 8 devices), beside a whole-matrix exchange's bytes."""
-  mesh = jax.sharding.AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  params = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32,
-                                      sharding=NamedSharding(mesh, P("fsdp", None))),
-            "b": jax.ShapeDtypeStruct((256,), jnp.float32,
-                                      sharding=NamedSharding(mesh, P()))}
+  """``summarize`` of ``dion`` from abstract shapes on FSDP 8: per matrix its
+  rank and Dion's ring-model bytes (P = M·Q needs no sum when the rows are
+  split; R = Mᵀ·P, the sketch and the Gram are all-reduced over the 8 devices),
+  beside a whole-matrix exchange's bytes.
+  """
+  mesh = jax.sharding.AbstractMesh(
+      (8,), ("fsdp",), axis_types=(AxisType.Explicit,)
+  )
+  params = {
+      "w": jax.ShapeDtypeStruct(
+          (64, 256), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None))
+      ),
+      "b": jax.ShapeDtypeStruct(
+          (256,), jnp.float32, sharding=NamedSharding(mesh, P())
+      ),
+  }
   summary = om.summarize(params, om.dion(0.1, rank_fraction=0.25))
   row = {r.path: r for r in summary.rows}["w"]
   r, k, ring = 16, 20, 2 * 7 / 8
   assert (row.rank, row.optimizer) == (r, "muon")
-  assert row.received_bytes == pytest.approx(ring * 4 * (256 * r + k * r + r * r))
+  assert row.received_bytes == pytest.approx(
+      ring * 4 * (256 * r + k * r + r * r)
+  )
   assert row.flops_per_device == pytest.approx(
-      8 * 8 * 256 * r + 2 * k * 8 * r + 6 * 8 * r * r + 2 * k * r * r + 3 * r ** 3)
+      8 * 8 * 256 * r + 2 * k * 8 * r + 6 * 8 * r * r + 2 * k * r * r + 3 * r**3
+  )
   assert row.exchange_bytes == pytest.approx(2 * 4 * 64 * 256 * 7 / 8)
   assert "exchange MB" in str(summary) and "on Dion" in str(summary)
-  twice = om.summarize(params, om.dion(0.1, rank_fraction=0.25, power_iterations=2))
+  twice = om.summarize(
+      params, om.dion(0.1, rank_fraction=0.25, power_iterations=2)
+  )
   assert {r.path: r for r in twice.rows}["w"].received_bytes == pytest.approx(
-      2 * row.received_bytes)
+      2 * row.received_bytes
+  )

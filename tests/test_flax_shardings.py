@@ -1,4 +1,5 @@
-"""param_shardings in the forms Flax users hold, on Auto meshes built with ``Mesh``."""
+"""param_shardings in the forms Flax users hold, on Auto meshes built with
+``Mesh``."""
 
 import flax.linen as nn
 import jax
@@ -12,7 +13,9 @@ import nnx_auto_mesh
 import optax_muon as om
 from helpers import rel_err
 
-pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+pytestmark = (
+    pytest.mark.slow
+)  # compiles or trains real models: the full suite only
 
 
 def _auto_mesh():
@@ -26,9 +29,12 @@ def test_nnx_auto_mesh_example_trains_with_get_named_sharding():
   # The params keep the shardings their metadata gave them.
   given = nnx.to_pure_dict(out["param_shardings"])
   final = nnx.to_pure_dict(out["final_shardings"])
-  for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(given),
-                               jax.tree.leaves(final)):
-    assert got.is_equivalent_to(want, len(want.spec)), jax.tree_util.keystr(path)
+  for (path, want), got in zip(
+      jax.tree_util.tree_leaves_with_path(given), jax.tree.leaves(final)
+  ):
+    assert got.is_equivalent_to(want, len(want.spec)), jax.tree_util.keystr(
+        path
+    )
   # Every Muon leaf is placed by the plan, not left to XLA.
   rows = {r.path: r for r in out["summary"].rows}
   assert out["summary"].plan is not None
@@ -50,15 +56,23 @@ def _update(tx, params, grads, mesh):
 
 
 def _pure(state):
-  """The State's arrays without Variable wrappers (``nnx.as_pure`` from Flax 0.12.1 on)."""
-  return nnx.as_pure(state) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(state)
+  """The State's arrays without Variable wrappers (``nnx.as_pure`` from Flax
+  0.12.1 on)."""
+  return (
+      nnx.as_pure(state) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(state)
+  )
 
 
 def _grads_like(params, seed=3):
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [
-      jax.device_put(jax.random.normal(k, x.shape), x.sharding) for k, x in zip(keys, leaves)])
+  return jax.tree.unflatten(
+      treedef,
+      [
+          jax.device_put(jax.random.normal(k, x.shape), x.sharding)
+          for k, x in zip(keys, leaves)
+      ],
+  )
 
 
 def _nnx_forms(state, mesh):
@@ -70,8 +84,12 @@ def _nnx_forms(state, mesh):
       "nnx.State of PartitionSpec": specs,
       "pure dict of PartitionSpec": nnx.to_pure_dict(specs),
       "prefix: one PartitionSpec per module": {
-          "embed": P("model", "data"), "mix": {"kernel": P("data", "model"), "bias": P("model")},
-          "hidden": P("model", "data"), "norm": P("model"), "lm_head": P("data", "model")},
+          "embed": P("model", "data"),
+          "mix": {"kernel": P("data", "model"), "bias": P("model")},
+          "hidden": P("model", "data"),
+          "norm": P("model"),
+          "lm_head": P("data", "model"),
+      },
   }
 
 
@@ -83,14 +101,19 @@ def test_every_nnx_form_gives_the_same_planned_update():
   grads = _grads_like(params)
   host = lambda tree: jax.tree.map(np.asarray, tree)
   single = om.muon(0.1, ns_options=om.NSOptions(method="standard"))
-  reference = single.update(host(grads), single.init(host(params)), host(params))[0]
+  reference = single.update(
+      host(grads), single.init(host(params)), host(params)
+  )[0]
   for name, form in _nnx_forms(state, mesh).items():
-    tx = om.muon(0.1, ns_options=om.NSOptions(method="standard"), param_shardings=form)
+    tx = om.muon(
+        0.1, ns_options=om.NSOptions(method="standard"), param_shardings=form
+    )
     with jax.set_mesh(mesh):
       assert om.summarize(state, tx).plan is not None, name
     updates = _update(tx, params, grads, mesh)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(updates),
-                            jax.tree.leaves(reference)):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(reference)
+    ):
       assert rel_err(a, b) < 1e-5, (name, jax.tree_util.keystr(path))
 
 
@@ -99,30 +122,46 @@ class _LinenMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    part = nn.with_logical_partitioning if self.logical else nn.with_partitioning
-    axes = (("embed", "mlp"), ("mlp", "embed")) if self.logical else (("data", "model"),
-                                                                       ("model", "data"))
+    part = (
+        nn.with_logical_partitioning if self.logical else nn.with_partitioning
+    )
+    axes = (
+        (("embed", "mlp"), ("mlp", "embed"))
+        if self.logical
+        else (("data", "model"), ("model", "data"))
+    )
     init = nn.initializers.lecun_normal()
     x = nn.Dense(32, kernel_init=part(init, axes[0]), use_bias=False)(x)
-    return nn.Dense(16, kernel_init=part(init, axes[1]), use_bias=False)(jax.nn.gelu(x))
+    return nn.Dense(16, kernel_init=part(init, axes[1]), use_bias=False)(
+        jax.nn.gelu(x)
+    )
 
 
 @pytest.mark.parametrize("logical", [False, True])
 def test_linen_shardings(logical):
-  """``nn.get_sharding`` (mesh axes) and ``nn.logical_to_mesh_sharding`` (logical axes)."""
+  """``nn.get_sharding`` (mesh axes) and ``nn.logical_to_mesh_sharding``
+  (logical axes)."""
   mesh = _auto_mesh()
   variables = _LinenMLP(logical).init(jax.random.PRNGKey(0), jnp.ones((2, 16)))
   rules = (("embed", "data"), ("mlp", "model"))
   if logical:
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, rules)
+    shardings = nn.logical_to_mesh_sharding(
+        nn.get_partition_spec(variables), mesh, rules
+    )
   else:
     shardings = nn.get_sharding(variables, mesh)
   params = nn.unbox(variables)["params"]
-  put = lambda tree: jax.tree.map(jax.device_put, tree, nn.unbox(shardings)["params"])
+  put = lambda tree: jax.tree.map(
+      jax.device_put, tree, nn.unbox(shardings)["params"]
+  )
   grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
   single = om.muon(0.1, ns_options=om.NSOptions(method="standard"))
   reference = single.update(grads, single.init(params), params)[0]
-  tx = om.muon(0.1, ns_options=om.NSOptions(method="standard"), param_shardings=shardings["params"])
+  tx = om.muon(
+      0.1,
+      ns_options=om.NSOptions(method="standard"),
+      param_shardings=shardings["params"],
+  )
   with jax.set_mesh(mesh):
     assert om.summarize(params, tx).plan is not None
   updates = _update(tx, put(params), put(grads), mesh)
@@ -132,7 +171,9 @@ def test_linen_shardings(logical):
   boxed = om.muon(0.1, param_shardings=shardings["params"])
   with jax.set_mesh(mesh):
     plan = om.summarize(variables["params"], boxed).plan
-  assert len(plan.leaves) == 2 and all(p.sharding is not None for p in plan.leaves)
+  assert len(plan.leaves) == 2 and all(
+      p.sharding is not None for p in plan.leaves
+  )
 
 
 def test_mismatch_names_the_leaf_and_shows_both_structures():
@@ -141,16 +182,21 @@ def test_mismatch_names_the_leaf_and_shows_both_structures():
   shardings = nnx.to_pure_dict(nnx.get_named_sharding(state, mesh))
   del shardings["norm"]
   tx = om.muon(0.1, param_shardings=shardings)
-  with pytest.raises(ValueError, match=r"no entry for leaf 'norm/scale'.*The params have "
-                     r"leaves \['embed/embedding', .*param_shardings has entries "
-                     r"\['embed/embedding'"):
+  with pytest.raises(
+      ValueError,
+      match=r"no entry for leaf 'norm/scale'.*The params have "
+      r"leaves \['embed/embedding', .*param_shardings has entries "
+      r"\['embed/embedding'",
+  ):
     tx.update(_pure(state), tx.init(_pure(state)), _pure(state))
 
 
 def test_partition_specs_need_a_mesh():
   params = {"w": jnp.ones((16, 8))}
   tx = om.scale_by_muon(param_shardings={"w": P("data")})
-  with pytest.raises(ValueError, match="param_shardings holds PartitionSpecs but no mesh"):
+  with pytest.raises(
+      ValueError, match="param_shardings holds PartitionSpecs but no mesh"
+  ):
     tx.update(params, tx.init(params))
   mesh = _auto_mesh()
   with jax.set_mesh(mesh):

@@ -1,6 +1,6 @@
-"""Real libraries' layouts reach Muon: Gemma's recorded trees, Flax's attention and logical
-axis names, Equinox's layers; heads whole or per head, the shape factor of the matrix that
-is orthogonalized."""
+"""Real libraries' layouts reach Muon: Gemma's recorded trees, Flax's attention
+and logical axis names, Equinox's layers; heads whole or per head, the shape
+factor of the matrix that is orthogonalized."""
 
 import math
 import re
@@ -21,22 +21,34 @@ import real_trees
 from real_trees import load, paths_and_leaves
 
 DN = om.MuonDimensionNumbers
-GEMMA = ["gemma_Gemma2_2B", "gemma_Gemma3_270M", "gemma_Gemma3_1B", "gemma_Gemma3_4B"]
-# The hidden matrices of a Gemma text block, and of the SigLIP encoder of Gemma 3 4B.
-GEMMA_KERNEL = re.compile(r"attn/(q|kv|attn_vec)_einsum/w$|mlp/(gating_einsum|linear)$"
-                          r"|(query|key|value|out)/kernel$|MlpBlock_0/Dense_\d/kernel$")
+GEMMA = [
+    "gemma_Gemma2_2B",
+    "gemma_Gemma3_270M",
+    "gemma_Gemma3_1B",
+    "gemma_Gemma3_4B",
+]
+# The hidden matrices of a Gemma text block, and of the SigLIP encoder of Gemma
+# 3 4B.
+GEMMA_KERNEL = re.compile(
+    r"attn/(q|kv|attn_vec)_einsum/w$|mlp/(gating_einsum|linear)$"
+    r"|(query|key|value|out)/kernel$|MlpBlock_0/Dense_\d/kernel$"
+)
 
 
 def _rows(params, tx):
   with warnings.catch_warnings():
-    warnings.simplefilter("error")  # a real model's tree routes without a warning
+    warnings.simplefilter(
+        "error"
+    )  # a real model's tree routes without a warning
     return {r.path: r for r in om.summarize(params, tx).rows}
 
 
 def _same_dims(a, b) -> bool:
   axes = lambda x: (x,) if isinstance(x, int) else tuple(x)
-  return (axes(a.reduction_axis), axes(a.output_axis)) == (axes(b.reduction_axis),
-                                                           axes(b.output_axis))
+  return (axes(a.reduction_axis), axes(a.output_axis)) == (
+      axes(b.reduction_axis),
+      axes(b.output_axis),
+  )
 
 
 @pytest.mark.parametrize("name", GEMMA)
@@ -51,26 +63,53 @@ def test_gemma_kernels_go_to_muon_embeddings_norms_and_biases_to_adamw(name):
       assert row.optimizer == "adam", (path, row.reason)
       assert re.search(r"embed|norm|scale$|bias$", path), path
   layers = sum(bool(re.fullmatch(r"layer_\d+/mlp/linear", p)) for p in rows)
-  text_kernels = [p for p in rows if p.startswith("layer_") and GEMMA_KERNEL.search(p)]
-  assert len(text_kernels) == 5 * layers  # q, kv, attention output, gating, linear
+  text_kernels = [
+      p for p in rows if p.startswith("layer_") and GEMMA_KERNEL.search(p)
+  ]
+  assert (
+      len(text_kernels) == 5 * layers
+  )  # q, kv, attention output, gating, linear
 
 
-@pytest.mark.parametrize("heads,expected", [
-    # leaf of layer 7: (NS matrix m × n, batch, scale sqrt(max(1, n_out / n_in)))
-    ("whole", {"attn/q_einsum/w": ((1024, 1152), 1, 1.0),
-               "attn/kv_einsum/w": ((256, 1152), 2, 1.0),
-               "attn/attn_vec_einsum/w": ((1024, 1152), 1, math.sqrt(1152 / 1024)),
-               "mlp/gating_einsum": ((1152, 6912), 2, math.sqrt(6912 / 1152)),
-               "mlp/linear": ((1152, 6912), 1, 1.0)}),
-    ("per_head", {"attn/q_einsum/w": ((256, 1152), 4, 1.0),
-                  "attn/kv_einsum/w": ((256, 1152), 2, 1.0),
-                  "attn/attn_vec_einsum/w": ((256, 1152), 4, math.sqrt(1152 / 256)),
-                  "mlp/gating_einsum": ((1152, 6912), 2, math.sqrt(6912 / 1152)),
-                  "mlp/linear": ((1152, 6912), 1, 1.0)}),
-])
+@pytest.mark.parametrize(
+    "heads,expected",
+    [
+        # leaf of layer 7: (NS matrix m × n, batch, scale sqrt(max(1, n_out /
+        # n_in)))
+        (
+            "whole",
+            {
+                "attn/q_einsum/w": ((1024, 1152), 1, 1.0),
+                "attn/kv_einsum/w": ((256, 1152), 2, 1.0),
+                "attn/attn_vec_einsum/w": (
+                    (1024, 1152),
+                    1,
+                    math.sqrt(1152 / 1024),
+                ),
+                "mlp/gating_einsum": ((1152, 6912), 2, math.sqrt(6912 / 1152)),
+                "mlp/linear": ((1152, 6912), 1, 1.0),
+            },
+        ),
+        (
+            "per_head",
+            {
+                "attn/q_einsum/w": ((256, 1152), 4, 1.0),
+                "attn/kv_einsum/w": ((256, 1152), 2, 1.0),
+                "attn/attn_vec_einsum/w": (
+                    (256, 1152),
+                    4,
+                    math.sqrt(1152 / 256),
+                ),
+                "mlp/gating_einsum": ((1152, 6912), 2, math.sqrt(6912 / 1152)),
+                "mlp/linear": ((1152, 6912), 1, 1.0),
+            },
+        ),
+    ],
+)
 def test_gemma3_1b_matrices_and_shape_factors(heads, expected):
-  """Whole heads: the d_model × heads·head_dim projection (Moonlight, Kimi K2); per head:
-  one head_dim × d_model matrix per head, with its own shape factor (2.12 vs 1.06 for the
+  """Whole heads: the d_model × heads·head_dim projection (Moonlight, Kimi K2);
+  per head: one head_dim × d_model matrix per head, with its own shape factor
+    (2.12 vs 1.06 for the
   attention output)."""
   params, _ = load("gemma_Gemma3_1B")
   rows = _rows(params, om.muon(0.02, routing=om.Routing(heads=heads)))
@@ -81,9 +120,12 @@ def test_gemma3_1b_matrices_and_shape_factors(heads, expected):
 
 
 def test_gemma2_gating_is_read_with_d_model_as_input():
-  """Gemma 2 2B stores gate and up as (2, d_model, hidden), Gemma 3 as (2, hidden, d_model):
-  both are read as 2 matrices d_model → hidden."""
-  for name, shape in (("gemma_Gemma2_2B", (2, 2304, 9216)), ("gemma_Gemma3_1B", (2, 6912, 1152))):
+  """Gemma 2 2B stores gate and up as (2, d_model, hidden), Gemma 3 as (2,
+  hidden, d_model): both are read as 2 matrices d_model → hidden."""
+  for name, shape in (
+      ("gemma_Gemma2_2B", (2, 2304, 9216)),
+      ("gemma_Gemma3_1B", (2, 6912, 1152)),
+  ):
     params, _ = load(name)
     assert params["layer_0"]["mlp"]["gating_einsum"].shape == shape
     dims = om.infer_dimension_numbers(params)["layer_0"]["mlp"]["gating_einsum"]
@@ -92,8 +134,9 @@ def test_gemma2_gating_is_read_with_d_model_as_input():
 
 
 def test_gemma_dimension_numbers_are_the_ones_the_einsums_contract():
-  """The Gemma library's equations: q 'BTD,NDH->BTNH', kv 'BSD,CKDH->CBSKH', attention
-  output 'BTNH,NHD->BTD', gating '...F,NHF->...NH', linear '...H,HF->...F'."""
+  """The Gemma library's equations: q 'BTD,NDH->BTNH', kv 'BSD,CKDH->CBSKH',
+  attention output 'BTNH,NHD->BTD', gating '...F,NHF->...NH', linear
+  '...H,HF->...F'."""
   params, _ = load("gemma_Gemma3_1B")
   dims = om.infer_dimension_numbers(params)
   attn, mlp = dims["layer_0"]["attn"], dims["layer_0"]["mlp"]
@@ -107,13 +150,22 @@ def test_gemma_dimension_numbers_are_the_ones_the_einsums_contract():
 
 
 def _gemma3_block(dtype=jnp.float32):
-  """Layer 0 of Gemma 3 1B with its real shapes, the final norm, and the embedding with its
-  vocabulary cut to 512 rows (the update is compared numerically, on the CPU)."""
+  """Layer 0 of Gemma 3 1B with its real shapes, the final norm, and the
+  embedding with its vocabulary cut to 512 rows (the update is compared
+  numerically, on the CPU).
+  """
   full, _ = load("gemma_Gemma3_1B")
-  tree = {"layer_0": full["layer_0"], "final_norm": full["final_norm"],
-          "embedder": {"input_embedding": jax.ShapeDtypeStruct((512, 1152), dtype)}}
-  return jax.tree.map(lambda s: jax.random.normal(jax.random.PRNGKey(s.shape[-1]), s.shape,
-                                                  dtype), tree)
+  tree = {
+      "layer_0": full["layer_0"],
+      "final_norm": full["final_norm"],
+      "embedder": {"input_embedding": jax.ShapeDtypeStruct((512, 1152), dtype)},
+  }
+  return jax.tree.map(
+      lambda s: jax.random.normal(
+          jax.random.PRNGKey(s.shape[-1]), s.shape, dtype
+      ),
+      tree,
+  )
 
 
 @requires_contrib_api
@@ -122,44 +174,76 @@ def test_gemma3_update_equals_optax_contrib_with_the_same_dimension_numbers():
   params = _gemma3_block()
   dims = om.infer_dimension_numbers(params)
   kwargs = dict(ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=2, eps=1e-8)
-  ours_default = om.muon(0.02, **kwargs)  # the layout rules, no dimension numbers given
+  ours_default = om.muon(
+      0.02, **kwargs
+  )  # the layout rules, no dimension numbers given
   ours = om.muon(0.02, **kwargs, muon_weight_dimension_numbers=dims)
-  theirs = optax.contrib.muon(0.02, **kwargs, muon_weight_dimension_numbers=dims)
+  theirs = optax.contrib.muon(
+      0.02, **kwargs, muon_weight_dimension_numbers=dims
+  )
   grads = random_grads(params, 0)
-  results = [jax.jit(tx.update)(grads, tx.init(params), params)[0]
-             for tx in (ours_default, ours, theirs)]
+  results = [
+      jax.jit(tx.update)(grads, tx.init(params), params)[0]
+      for tx in (ours_default, ours, theirs)
+  ]
   flat = [jax.tree.leaves(r) for r in results]
   for (path, _), x, y, z in zip(paths_and_leaves(params), *flat):
     assert rel_err(x, z) < 1e-5 and rel_err(y, z) < 1e-5, path
 
 
-# Flax -------------------------------------------------------------------------------------
+# Flax
+# -------------------------------------------------------------------------------------
 
 
 def test_flax_linen_attention_kernels_on_muon_biases_on_adamw():
   params = real_trees.flax_linen_attention()
   rows = _rows(params, om.muon(0.02))
   for name in ("query", "key", "value"):
-    assert params[name]["kernel"].shape == (16, 4, 8) and params[name]["bias"].shape == (4, 8)
+    assert params[name]["kernel"].shape == (16, 4, 8) and params[name][
+        "bias"
+    ].shape == (4, 8)
     assert rows[f"{name}/kernel"].optimizer == "muon"
-    assert (rows[f"{name}/kernel"].ns_matrix, rows[f"{name}/kernel"].batch) == ((16, 32), 1)
-    assert rows[f"{name}/bias"].optimizer == "adam" and rows[f"{name}/bias"].reason == "bias"
-  assert rows["out/kernel"].optimizer == "muon" and rows["out/kernel"].ns_matrix == (16, 32)
+    assert (rows[f"{name}/kernel"].ns_matrix, rows[f"{name}/kernel"].batch) == (
+        (16, 32),
+        1,
+    )
+    assert (
+        rows[f"{name}/bias"].optimizer == "adam"
+        and rows[f"{name}/bias"].reason == "bias"
+    )
+  assert rows["out/kernel"].optimizer == "muon" and rows[
+      "out/kernel"
+  ].ns_matrix == (16, 32)
   assert rows["out/bias"].optimizer == "adam"
   per_head = _rows(params, om.muon(0.02, routing=om.Routing(heads="per_head")))
-  assert (per_head["query/kernel"].ns_matrix, per_head["query/kernel"].batch) == ((8, 16), 4)
+  assert (
+      per_head["query/kernel"].ns_matrix,
+      per_head["query/kernel"].batch,
+  ) == ((8, 16), 4)
   assert per_head["out/kernel"].scale == pytest.approx(math.sqrt(16 / 8))
 
 
 def test_a_bias_is_known_by_the_kernel_beside_it():
-  """A (heads, head_dim) leaf beside a (d, heads, head_dim) kernel is that layer's bias,
-  whatever its name."""
-  params = {"proj": {"kernel": jnp.zeros((16, 4, 8)), "offset": jnp.zeros((4, 8))},
-            "w": jnp.zeros((8, 8)), "u": jnp.zeros((4, 8))}
-  routes = {r.path: r for r in om.route(params, om.Routing(
-      layouts=(om.LayoutRule(r"proj/kernel$", "iOo", "projection"),)))}
-  assert routes["proj/offset"].optimizer == "adam" and routes["proj/offset"].describe() == (
-      "bias of kernel")
+  """A (heads, head_dim) leaf beside a (d, heads, head_dim) kernel is that
+  layer's bias, whatever its name."""
+  params = {
+      "proj": {"kernel": jnp.zeros((16, 4, 8)), "offset": jnp.zeros((4, 8))},
+      "w": jnp.zeros((8, 8)),
+      "u": jnp.zeros((4, 8)),
+  }
+  routes = {
+      r.path: r
+      for r in om.route(
+          params,
+          om.Routing(
+              layouts=(om.LayoutRule(r"proj/kernel$", "iOo", "projection"),)
+          ),
+      )
+  }
+  assert (
+      routes["proj/offset"].optimizer == "adam"
+      and routes["proj/offset"].describe() == "bias of kernel"
+  )
   assert routes["proj/kernel"].optimizer == "muon"
   assert routes["u"].optimizer == "muon"  # (4, 8) beside no kernel: a matrix
 
@@ -169,9 +253,15 @@ def test_flax_nnx_attention_reaches_muon_inside_nnx_optimizer():
   tx = om.muon(0.02)
   rows = _rows(nnx.state(model, nnx.Param), tx)
   assert {p for p, r in rows.items() if r.optimizer == "muon"} == {
-      "query/kernel", "key/kernel", "value/kernel", "out/kernel"}
+      "query/kernel",
+      "key/kernel",
+      "value/kernel",
+      "out/kernel",
+  }
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 16))  # 32 rows: full-rank gradients
+  x = jax.random.normal(
+      jax.random.PRNGKey(1), (4, 8, 16)
+  )  # 32 rows: full-rank gradients
   before = model.query.kernel[...]
 
   @nnx.jit
@@ -181,41 +271,59 @@ def test_flax_nnx_attention_reaches_muon_inside_nnx_optimizer():
 
   step(model, optimizer)
   delta = np.asarray(model.query.kernel[...] - before).reshape(16, 32)
-  # One Muon step from zero momentum: all singular values equal lr · scale (sqrt(32/16)).
+  # One Muon step from zero momentum: all singular values equal lr · scale
+  # (sqrt(32/16)).
   s = np.linalg.svd(delta, compute_uv=False) / (0.02 * math.sqrt(2))
-  assert 0.6 < s.min() and s.max() < 1.2, s  # Jordan's coefficients: σ ∈ [0.68, 1.13]
+  assert (
+      0.6 < s.min() and s.max() < 1.2
+  ), s  # Jordan's coefficients: σ ∈ [0.68, 1.13]
 
 
 def _mesh_of_names(names):
-  """Flax 0.12 places variables with sharding names on the current mesh when it makes them;
-  the names here are logical, so a one-device mesh with those axis names stands in."""
-  mesh = jax.make_mesh((1,) * len(names), names,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  """Flax 0.12 places variables with sharding names on the current mesh when it
+  makes them; the names here are logical, so a one-device mesh with those axis
+  names stands in.
+  """
+  mesh = jax.make_mesh(
+      (1,) * len(names),
+      names,
+      axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+  )
   return jax.set_mesh(mesh)
 
 
 def test_maxtext_style_logical_names_from_linen_boxes():
-  """MaxText's layout: DenseGeneral kernels with logical names, layers scanned on axis 1."""
+  """MaxText's layout: DenseGeneral kernels with logical names, layers scanned
+  on axis 1."""
   boxed = real_trees.maxtext_like()
-  assert boxed["layers"]["query"]["kernel"].names == ("embed", "layers", "q_heads", "kv")
+  assert boxed["layers"]["query"]["kernel"].names == (
+      "embed",
+      "layers",
+      "q_heads",
+      "kv",
+  )
   dims = om.infer_dimension_numbers(boxed)  # the names the boxes carry
   layers = dims["layers"]
   assert _same_dims(layers["query"]["kernel"], DN(0, (2, 3)))
   assert _same_dims(layers["out"]["kernel"], DN((0, 2), 3))
-  assert _same_dims(layers["wi"]["kernel"], DN(0, 2)) and _same_dims(layers["wo"]["kernel"],
-                                                                     DN(0, 2))
+  assert _same_dims(layers["wi"]["kernel"], DN(0, 2)) and _same_dims(
+      layers["wo"]["kernel"], DN(0, 2)
+  )
   assert dims["token_embedder"]["embedding"] is None
   # The same names given explicitly, for unboxed params; per head.
   params = nn.unbox(boxed)
   names = nn.get_partition_spec(boxed)
-  per_head = om.infer_dimension_numbers(params, om.Routing(heads="per_head"),
-                                        logical_names=names)
+  per_head = om.infer_dimension_numbers(
+      params, om.Routing(heads="per_head"), logical_names=names
+  )
   assert _same_dims(per_head["layers"]["query"]["kernel"], DN(0, 3))
   assert _same_dims(per_head["layers"]["out"]["kernel"], DN(2, 3))
-  # They drive muon: 3 layers × (query, out, wi, wo) on Muon, each layer its own matrix.
+  # They drive muon: 3 layers × (query, out, wi, wo) on Muon, each layer its own
+  # matrix.
   rows = _rows(params, om.muon(0.02, muon_weight_dimension_numbers=dims))
-  assert rows["layers/query/kernel"].batch == 3 and rows["layers/query/kernel"].ns_matrix == (
-      16, 32)
+  assert rows["layers/query/kernel"].batch == 3 and rows[
+      "layers/query/kernel"
+  ].ns_matrix == (16, 32)
   assert rows["token_embedder/embedding"].optimizer == "adam"
   assert sum(r.optimizer == "muon" for r in rows.values()) == 4
 
@@ -223,43 +331,72 @@ def test_maxtext_style_logical_names_from_linen_boxes():
 def test_nnx_einsum_logical_names_from_variable_metadata():
   with _mesh_of_names(("embed", "heads", "kv")):
     init = nnx.initializers.lecun_normal()
-    q = nnx.Einsum("btd,dnh->btnh", (16, 4, 8), (4, 8), rngs=nnx.Rngs(0),
-                   kernel_init=nnx.with_partitioning(init, ("embed", "heads", "kv")),
-                   bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
-                                                   ("heads", "kv")))
+    q = nnx.Einsum(
+        "btd,dnh->btnh",
+        (16, 4, 8),
+        (4, 8),
+        rngs=nnx.Rngs(0),
+        kernel_init=nnx.with_partitioning(init, ("embed", "heads", "kv")),
+        bias_init=nnx.with_partitioning(
+            nnx.initializers.zeros_init(), ("heads", "kv")
+        ),
+    )
   state = nnx.state(q, nnx.Param)
   dims = om.infer_dimension_numbers(state)
   assert _same_dims(dims["kernel"], DN(0, (1, 2))) and dims["bias"] is None
   tx = om.muon(0.02, muon_weight_dimension_numbers=dims)
-  on_the_host = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)  # off the mesh
+  on_the_host = jax.tree.map(
+      lambda x: jnp.asarray(np.asarray(x)), state
+  )  # off the mesh
   rows = _rows(on_the_host, tx)
-  assert rows["kernel"].optimizer == "muon" and rows["kernel"].ns_matrix == (16, 32)
+  assert rows["kernel"].optimizer == "muon" and rows["kernel"].ns_matrix == (
+      16,
+      32,
+  )
   assert rows["bias"].optimizer == "adam"
 
 
 def test_logical_names_without_a_role_are_an_error_that_names_the_leaf():
   params = {"w": jnp.zeros((8, 4, 2))}
-  with pytest.raises(ValueError, match=r"w: logical axis names \['groups'\].*axis_roles"):
-    om.infer_dimension_numbers(params, logical_names={"w": ("embed", "groups", "kv")})
-  dims = om.infer_dimension_numbers(params, logical_names={"w": ("embed", "groups", "kv")},
-                                    axis_roles={"groups": "batch"})
+  with pytest.raises(
+      ValueError, match=r"w: logical axis names \['groups'\].*axis_roles"
+  ):
+    om.infer_dimension_numbers(
+        params, logical_names={"w": ("embed", "groups", "kv")}
+    )
+  dims = om.infer_dimension_numbers(
+      params,
+      logical_names={"w": ("embed", "groups", "kv")},
+      axis_roles={"groups": "batch"},
+  )
   assert _same_dims(dims["w"], DN(0, 2))
 
 
-# Equinox ----------------------------------------------------------------------------------
+# Equinox
+# ----------------------------------------------------------------------------------
 
 
 def test_equinox_layers_read_in_pytorch_order():
-  """Equinox's Linear.weight is (out, in): the shape factor uses the real n_in and n_out;
-  Conv weights are one (in·kh·kw) × out matrix; Embedding goes to AdamW."""
+  """Equinox's Linear.weight is (out, in): the shape factor uses the real n_in
+  and n_out; Conv weights are one (in·kh·kw) × out matrix; Embedding goes to
+  AdamW."""
   params = real_trees.equinox_model()
   rows = _rows(params, om.muon(0.02))
-  assert rows["up/weight"].optimizer == "muon" and rows["up/weight"].scale == 2.0  # 16 → 64
+  assert (
+      rows["up/weight"].optimizer == "muon" and rows["up/weight"].scale == 2.0
+  )  # 16 → 64
   assert rows["down/weight"].scale == 1.0
   assert rows["attn/query_proj/weight"].optimizer == "muon"
-  assert rows["conv/weight"].optimizer == "muon" and rows["conv/weight"].ns_matrix == (8, 27)
-  assert rows["tokens/weight"].optimizer == "adam" and "Embedding" in rows["tokens/weight"].reason
-  assert {rows[p].optimizer for p in ("up/bias", "norm/weight", "norm/bias")} == {"adam"}
+  assert rows["conv/weight"].optimizer == "muon" and rows[
+      "conv/weight"
+  ].ns_matrix == (8, 27)
+  assert (
+      rows["tokens/weight"].optimizer == "adam"
+      and "Embedding" in rows["tokens/weight"].reason
+  )
+  assert {
+      rows[p].optimizer for p in ("up/bias", "norm/weight", "norm/bias")
+  } == {"adam"}
 
 
 @pytest.mark.slow
@@ -268,7 +405,9 @@ def test_equinox_update_is_the_transpose_of_the_flax_layout_update():
   tx = om.muon(0.02)
   grads = random_grads(params, 0)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  assert updates.attn.query_proj.bias is None  # the filtered-out leaves stay None
+  assert (
+      updates.attn.query_proj.bias is None
+  )  # the filtered-out leaves stay None
   flax_layout = {"up": params.up.weight.T, "down": params.down.weight.T}
   flax_grads = {"up": grads.up.weight.T, "down": grads.down.weight.T}
   expected, _ = tx.update(flax_grads, tx.init(flax_layout), flax_layout)
@@ -278,29 +417,45 @@ def test_equinox_update_is_the_transpose_of_the_flax_layout_update():
   assert jax.tree.structure(new) == jax.tree.structure(params)
 
 
-# Routing that does not surprise -----------------------------------------------------------
+# Routing that does not surprise
+# -----------------------------------------------------------
 
 
 def test_dimension_numbers_for_an_embedding_keep_it_on_adamw_and_say_so():
-  params = {"embedder": {"input_embedding": jnp.zeros((64, 16))},
-            "mlp": {"kernel": jnp.zeros((16, 32)), "bias": jnp.zeros((4, 8))}}
-  every_matrix = lambda p: jax.tree.map(lambda x: DN() if x.ndim >= 2 else None, p)
+  params = {
+      "embedder": {"input_embedding": jnp.zeros((64, 16))},
+      "mlp": {"kernel": jnp.zeros((16, 32)), "bias": jnp.zeros((4, 8))},
+  }
+  every_matrix = lambda p: jax.tree.map(
+      lambda x: DN() if x.ndim >= 2 else None, p
+  )
   tx = om.muon(0.02, muon_weight_dimension_numbers=every_matrix)
-  with pytest.warns(UserWarning, match=r"biases or whose path matches adam_pattern "
-                    r".*embedder/input_embedding \(64×16\)'.*'mlp/bias \(4×8\)'"):
+  with pytest.warns(
+      UserWarning,
+      match=r"biases or whose path matches adam_pattern "
+      r".*embedder/input_embedding \(64×16\)'.*'mlp/bias \(4×8\)'",
+  ):
     tx.init(params)
   rows = {r.path: r.optimizer for r in om.summarize(params, tx).rows}
-  assert rows == {"embedder/input_embedding": "adam", "mlp/kernel": "muon", "mlp/bias": "adam"}
+  assert rows == {
+      "embedder/input_embedding": "adam",
+      "mlp/kernel": "muon",
+      "mlp/bias": "adam",
+  }
   # Saying so puts them on Muon, without a warning.
   optax_rule = om.Routing(adam_pattern=None, biases=False)
-  tx = om.muon(0.02, muon_weight_dimension_numbers=every_matrix, routing=optax_rule)
+  tx = om.muon(
+      0.02, muon_weight_dimension_numbers=every_matrix, routing=optax_rule
+  )
   assert set(_rows(params, tx)[p].optimizer for p in rows) == {"muon"}
 
 
 def test_degenerate_matrices_are_warned_about():
   params = {"w": jnp.zeros((4, 1, 1152)), "v": jnp.zeros((8, 8))}
   tx = om.muon(0.02, muon_weight_dimension_numbers={"w": DN(1, 2), "v": DN()})
-  with pytest.warns(UserWarning, match=r"side shorter than 2.*'w \(4×1×1152 as 4 × 1×1152\)'"):
+  with pytest.warns(
+      UserWarning, match=r"side shorter than 2.*'w \(4×1×1152 as 4 × 1×1152\)'"
+  ):
     tx.init(params)
 
 
@@ -308,58 +463,83 @@ def test_errors_name_the_argument_or_leaf():
   params = {"w": jnp.ones((16, 8)), "step": jnp.zeros((), jnp.int32)}
   with pytest.raises(ValueError, match=r"leaf 'step' has dtype int32"):
     om.muon(0.02).init(params)
-  with pytest.raises(ValueError, match=r"learning_rate must lie in \[0.0, inf\), got -1"):
+  with pytest.raises(
+      ValueError, match=r"learning_rate must lie in \[0.0, inf\), got -1"
+  ):
     om.muon(-1)
   with pytest.raises(ValueError, match=r"adam_learning_rate must lie"):
     om.muon(0.02, adam_learning_rate=-1e-3)
   tx = om.muon(0.02)
   good = {"w": jnp.ones((16, 8))}
   state = tx.init(good)
-  with pytest.raises(ValueError, match=r"update of leaf 'w' has shape \(8, 16\), the param "
-                     r"\(16, 8\)"):
+  with pytest.raises(
+      ValueError,
+      match=r"update of leaf 'w' has shape \(8, 16\), the param " r"\(16, 8\)",
+  ):
     tx.update({"w": jnp.ones((8, 16))}, state, good)
   sbm = om.scale_by_muon()
-  with pytest.raises(ValueError, match=r"update of leaf 'w' has shape \(8, 16\)"):
+  with pytest.raises(
+      ValueError, match=r"update of leaf 'w' has shape \(8, 16\)"
+  ):
     sbm.update({"w": jnp.ones((8, 16))}, sbm.init(good))
 
 
 def test_inject_hyperparams_names_the_static_arguments():
   params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
   tx = optax.inject_hyperparams(om.muon)(learning_rate=0.02, ns_steps=5)
-  with pytest.raises(ValueError, match=r"ns_steps is traced.*static_args=\('ns_steps', 'eps'\)"):
+  with pytest.raises(
+      ValueError, match=r"ns_steps is traced.*static_args=\('ns_steps', 'eps'\)"
+  ):
     jax.jit(tx.init)(params)
   tx = optax.inject_hyperparams(om.muon, static_args=("ns_steps", "eps"))(
-      learning_rate=0.02, ns_steps=5, eps=1e-7)
+      learning_rate=0.02, ns_steps=5, eps=1e-7
+  )
   updates, _ = jax.jit(tx.update)(params, jax.jit(tx.init)(params), params)
   assert updates["w"].shape == (16, 8)
 
 
 def test_trees_without_matrices_update():
-  """No Muon leaf (vectors only, embeddings only, empty, None leaves): init and update."""
-  for params in ({"b": jnp.ones(3)}, {"embed": jnp.ones((10, 4)), "b": jnp.ones(4)}, {},
-                 {"a": None, "b": jnp.ones(2)}, {"w": jnp.zeros((0, 4)), "b": jnp.ones(1)}):
+  """No Muon leaf (vectors only, embeddings only, empty, None leaves): init and
+  update."""
+  for params in (
+      {"b": jnp.ones(3)},
+      {"embed": jnp.ones((10, 4)), "b": jnp.ones(4)},
+      {},
+      {"a": None, "b": jnp.ones(2)},
+      {"w": jnp.zeros((0, 4)), "b": jnp.ones(1)},
+  ):
     tx = om.muon(0.02)
     updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
     assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
 
 
-# The docs' table ----------------------------------------------------------------------------
+# The docs' table
+# ----------------------------------------------------------------------------
 
 
 def _table_trees():
-  """The trees of docs/layouts.md's table: model name prefix → (params, muon kwargs per
-  heads setting)."""
+  """The trees of docs/layouts.md's table: model name prefix → (params, muon
+  kwargs per heads setting)."""
   boxed = real_trees.maxtext_like()
-  maxtext = {h: dict(muon_weight_dimension_numbers=om.infer_dimension_numbers(
-      boxed, om.Routing(heads=h))) for h in ("whole", "per_head")}
+  maxtext = {
+      h: dict(
+          muon_weight_dimension_numbers=om.infer_dimension_numbers(
+              boxed, om.Routing(heads=h)
+          )
+      )
+      for h in ("whole", "per_head")
+  }
   no_kwargs = {"whole": {}, "per_head": {}}
   return {
       "Gemma 3 1B": (load("gemma_Gemma3_1B")[0], no_kwargs),
       "Gemma 2 2B": (load("gemma_Gemma2_2B")[0], no_kwargs),
       "Gemma 3 4B": (load("gemma_Gemma3_4B")[0], no_kwargs),
       "Flax `nn.": (real_trees.flax_linen_attention(), no_kwargs),
-      "Flax `nnx.": (nnx.state(real_trees.flax_nnx_attention(), nnx.Param), no_kwargs),
+      "Flax `nnx.": (
+          nnx.state(real_trees.flax_nnx_attention(), nnx.Param),
+          no_kwargs,
+      ),
       "MaxText": (nn.unbox(boxed), maxtext),
       "Equinox": (real_trees.equinox_model(), no_kwargs),
   }
@@ -368,7 +548,11 @@ def _table_trees():
 @pytest.mark.slow
 def test_the_layouts_page_table_is_what_summarize_shows():
   page = (real_trees.TREES.parents[1] / "docs" / "layouts.md").read_text()
-  lines = [l for l in page.splitlines() if l.startswith("| ") and "`" in l.split("|")[2]]
+  lines = [
+      l
+      for l in page.splitlines()
+      if l.startswith("| ") and "`" in l.split("|")[2]
+  ]
   assert len(lines) >= 20
   trees = _table_trees()
   summaries = {}
@@ -380,43 +564,76 @@ def test_the_layouts_page_table_is_what_summarize_shows():
       if (name, heads) not in summaries:
         params, kwargs = trees[name]
         tx = om.muon(0.02, routing=om.Routing(heads=heads), **kwargs[heads])
-        summaries[name, heads] = {r.path: r for r in om.summarize(params, tx).rows}
+        summaries[name, heads] = {
+            r.path: r for r in om.summarize(params, tx).rows
+        }
       row = summaries[name, heads][path]
       assert "×".join(map(str, row.shape)) == shape, (path, row.shape)
       if cell.startswith("AdamW"):
         assert row.optimizer == "adam", (path, heads, row.reason)
         continue
       batch, n_in, n_out, scale = re.fullmatch(
-          r"(\d+) × (\d+)→(\d+), scale ([\d.]+)", cell).groups()
-      assert row.optimizer == "muon" and row.batch == int(batch), (path, heads, row)
-      assert row.ns_matrix == tuple(sorted((int(n_in), int(n_out)))), (path, heads, row)
+          r"(\d+) × (\d+)→(\d+), scale ([\d.]+)", cell
+      ).groups()
+      assert row.optimizer == "muon" and row.batch == int(batch), (
+          path,
+          heads,
+          row,
+      )
+      assert row.ns_matrix == tuple(sorted((int(n_in), int(n_out)))), (
+          path,
+          heads,
+          row,
+      )
       # The factor tells the sides apart: sqrt(max(1, n_out / n_in)).
-      assert row.scale == pytest.approx(math.sqrt(max(1, int(n_out) / int(n_in))), abs=1e-9)
-      assert f"{row.scale:.3g}".rstrip("0").rstrip(".") == scale or abs(
-          row.scale - float(scale)) < 0.005, (path, heads, row.scale, scale)
+      assert row.scale == pytest.approx(
+          math.sqrt(max(1, int(n_out) / int(n_in))), abs=1e-9
+      )
+      assert (
+          f"{row.scale:.3g}".rstrip("0").rstrip(".") == scale
+          or abs(row.scale - float(scale)) < 0.005
+      ), (path, heads, row.scale, scale)
 
 
 def test_muon_leaves_on_an_auto_mesh_without_shardings_are_warned_about_once():
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
-  params = {"w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("fsdp")))}
+  params = {
+      "w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("fsdp")))
+  }
   tx = om.muon(0.02)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     state = tx.init(params)
     tx.update(params, state, params)
   messages = [str(w.message) for w in caught]
-  assert len(messages) == 1 and "'w'" in messages[0] and "param_shardings" in messages[0]
+  assert (
+      len(messages) == 1
+      and "'w'" in messages[0]
+      and "param_shardings" in messages[0]
+  )
   assert caught[0].filename == __file__
 
 
 def test_stacked_norm_scales_stay_on_adamw():
   """A scanned model's norm scales are (layers, d): 2-D, but not matrices."""
-  params = {"blocks": {"attn_norm": jnp.ones((4, 16)), "w": jnp.zeros((4, 16, 16)),
-                       "ln": {"scale": jnp.ones((4, 16))}}}
-  tx = om.muon(0.02, muon_weight_dimension_numbers={"blocks": {
-      "attn_norm": None, "w": DN(1, 2), "ln": {"scale": None}}})
-  rows = _rows(params, tx)  # no warning: the None entries agree with the default rule
+  params = {
+      "blocks": {
+          "attn_norm": jnp.ones((4, 16)),
+          "w": jnp.zeros((4, 16, 16)),
+          "ln": {"scale": jnp.ones((4, 16))},
+      }
+  }
+  tx = om.muon(
+      0.02,
+      muon_weight_dimension_numbers={
+          "blocks": {"attn_norm": None, "w": DN(1, 2), "ln": {"scale": None}}
+      },
+  )
+  rows = _rows(
+      params, tx
+  )  # no warning: the None entries agree with the default rule
   assert rows["blocks/attn_norm"].optimizer == "adam"
   assert rows["blocks/ln/scale"].optimizer == "adam"
   vectors = {"blocks": {k: v for k, v in params["blocks"].items() if k != "w"}}
@@ -426,7 +643,14 @@ def test_stacked_norm_scales_stay_on_adamw():
 
 def test_a_leaf_named_b_is_a_bias_only_beside_a_kernel():
   """Haiku's linear is {w, b}; optax's own tests name plain matrices b."""
-  params = {"linear": {"w": jnp.zeros((8, 16)), "b": jnp.zeros((2, 16))},
-            "pair": {"a": jnp.zeros((8, 16)), "b": jnp.zeros((8, 16))}}
+  params = {
+      "linear": {"w": jnp.zeros((8, 16)), "b": jnp.zeros((2, 16))},
+      "pair": {"a": jnp.zeros((8, 16)), "b": jnp.zeros((8, 16))},
+  }
   routes = {r.path: r.optimizer for r in om.route(params)}
-  assert routes == {"linear/b": "adam", "linear/w": "muon", "pair/a": "muon", "pair/b": "muon"}
+  assert routes == {
+      "linear/b": "adam",
+      "linear/w": "muon",
+      "pair/a": "muon",
+      "pair/b": "muon",
+  }

@@ -1,5 +1,5 @@
-"""The sharded update (Muon, Dion) in 2 processes × 4 CPU devices (jax.distributed, gloo)
-equals the single-process result."""
+"""The sharded update (Muon, Dion) in 2 processes × 4 CPU devices
+(jax.distributed, gloo) equals the single-process result."""
 
 import os
 import pathlib
@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # compiles or trains real models: the full suite only
+pytestmark = (
+    pytest.mark.slow
+)  # compiles or trains real models: the full suite only
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 
@@ -23,9 +25,16 @@ def _free_port() -> int:
 def test_two_processes_match_single_process():
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, str(WORKER), port, str(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(WORKER), port, str(i)],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in range(2)
+  ]
   outputs = []
   try:
     for p in procs:
@@ -38,4 +47,6 @@ def test_two_processes_match_single_process():
     assert p.returncode == 0, out[-3000:]
     # Muon with whole matrices and with teams; Dion.
     for name in ("whole", "teams", "dion"):
-      assert f"MULTIHOST {name} process {i}: max relative difference" in out, out[-3000:]
+      assert (
+          f"MULTIHOST {name} process {i}: max relative difference" in out
+      ), out[-3000:]

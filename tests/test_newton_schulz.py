@@ -1,4 +1,5 @@
-"""Newton–Schulz accuracy against the SVD polar factor, degenerate inputs and bad input."""
+"""Newton–Schulz accuracy against the SVD polar factor, degenerate inputs and
+bad input."""
 
 import jax
 import jax.numpy as jnp
@@ -9,23 +10,35 @@ from hypothesis import assume, given, settings, strategies as st
 import optax_muon as om
 from optax_muon._src.muon.coefficients import resolve_coefficients
 from optax_muon._src.muon.costs import ns_flops
-from helpers import matrix_with_spectrum, numpy_newton_schulz, rel_err, singular_values
+from helpers import (
+    matrix_with_spectrum,
+    numpy_newton_schulz,
+    rel_err,
+    singular_values,
+)
 
 
 def _two_decade_matrices(m=48, n=96, batch=3, seed=0):
   """Batch of matrices with singular values log-spaced over [0.01, 1]."""
   rng = np.random.default_rng(seed)
   sv = np.geomspace(1e-2, 1.0, min(m, n))
-  return np.stack([matrix_with_spectrum(rng, m, n, sv) for _ in range(batch)]).astype(np.float32)
+  return np.stack(
+      [matrix_with_spectrum(rng, m, n, sv) for _ in range(batch)]
+  ).astype(np.float32)
 
 
 @pytest.mark.parametrize("shape", [(48, 96), (96, 48)])
-@pytest.mark.parametrize("preset,steps,lo,hi", [
-    ("polar_express", 6, 0.99, 1.01),
-    ("jordan", 5, 0.6, 1.25),
-    ("deepseek_v4", None, 0.995, 1.005),
-])
-def test_preset_singular_values_on_ill_conditioned(shape, preset, steps, lo, hi):
+@pytest.mark.parametrize(
+    "preset,steps,lo,hi",
+    [
+        ("polar_express", 6, 0.99, 1.01),
+        ("jordan", 5, 0.6, 1.25),
+        ("deepseek_v4", None, 0.995, 1.005),
+    ],
+)
+def test_preset_singular_values_on_ill_conditioned(
+    shape, preset, steps, lo, hi
+):
   x = _two_decade_matrices(*shape)
   out = jax.jit(lambda x: om.newton_schulz(x, preset, ns_steps=steps))(x)
   sv = singular_values(out)
@@ -59,8 +72,12 @@ def test_output_keeps_singular_vectors():
 def test_batch_axes_are_independent():
   x = _two_decade_matrices(16, 24, batch=4, seed=4)
   x[2] *= 1e3  # Per-matrix normalization: scale must not leak across the batch.
-  batched = om.newton_schulz(x.reshape(2, 2, 16, 24), "polar_express", ns_steps=8)
-  singles = np.stack([om.newton_schulz(xi, "polar_express", ns_steps=8) for xi in x])
+  batched = om.newton_schulz(
+      x.reshape(2, 2, 16, 24), "polar_express", ns_steps=8
+  )
+  singles = np.stack(
+      [om.newton_schulz(xi, "polar_express", ns_steps=8) for xi in x]
+  )
   assert rel_err(np.asarray(batched).reshape(4, 16, 24), singles) < 1e-5
 
 
@@ -71,7 +88,8 @@ def test_more_steps_repeat_last_row_fewer_take_first_rows():
   fewer = om.newton_schulz(x, table, ns_steps=2)
   assert rel_err(more, numpy_newton_schulz(x, table + [table[-1]] * 2)) < 1e-4
   assert rel_err(fewer, numpy_newton_schulz(x, table[:2])) < 1e-4
-  # The DeepSeek hybrid keeps its 10 steps; it is not truncated to a default of 5.
+  # The DeepSeek hybrid keeps its 10 steps; it is not truncated to a default of
+  # 5.
   assert resolve_coefficients("deepseek_v4").steps == 10
   assert resolve_coefficients("deepseek_v4").rows[-1] == (2.0, -1.5, 0.5)
 
@@ -83,7 +101,9 @@ def test_zero_input_is_zero_not_nan(dtype):
   assert np.all(np.asarray(out, np.float32) == 0)
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (64, 1), (1, 4096), (4096, 1), (1, 1)])
+@pytest.mark.parametrize(
+    "shape", [(1, 64), (64, 1), (1, 4096), (4096, 1), (1, 1)]
+)
 def test_vector_shaped_matrices(shape):
   """A rank-1 matrix's polar factor is x / ‖x‖."""
   x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -101,20 +121,26 @@ def test_extreme_scales_are_scale_invariant(scale):
 
 
 def test_fp16_large_values_do_not_overflow():
-  """Near float16's largest value (65504) the normalization still happens in float32: the
-  result is the float64 reference's, to float16's precision."""
+  """Near float16's largest value (65504) the normalization still happens in
+  float32: the result is the float64 reference's, to float16's precision."""
   rng = np.random.default_rng(9)
   x = jnp.asarray(6e4 * rng.uniform(-1, 1, (16, 24)), jnp.float16)
   out = np.asarray(om.newton_schulz(x), np.float32)
   table = resolve_coefficients("jordan")
-  assert rel_err(out, numpy_newton_schulz(np.asarray(x, np.float64), table)) < 2e-2
+  assert (
+      rel_err(out, numpy_newton_schulz(np.asarray(x, np.float64), table)) < 2e-2
+  )
 
 
 @pytest.mark.parametrize("preset", ["polar_express", "deepseek_v4"])
 def test_bf16_compute_stays_close_to_msign(preset):
-  """bf16 matmuls with float32 normalization, for presets whose exact bound is < 1e-2."""
+  """bf16 matmuls with float32 normalization, for presets whose exact bound is <
+  1e-2."""
   steps = 8 if preset == "polar_express" else None
-  assert max(abs(v - 1) for v in om.singular_value_range(preset, ns_steps=steps)) < 1e-2
+  assert (
+      max(abs(v - 1) for v in om.singular_value_range(preset, ns_steps=steps))
+      < 1e-2
+  )
   x = _two_decade_matrices(64, 128, batch=2, seed=7)
   out = om.newton_schulz(x, preset, ns_steps=steps, compute_dtype=jnp.bfloat16)
   assert out.dtype == jnp.float32
@@ -123,7 +149,8 @@ def test_bf16_compute_stays_close_to_msign(preset):
 
 
 def test_nan_input_propagates():
-  """Documented: NaN/Inf gradients give NaN updates (use optax.apply_if_finite)."""
+  """Documented: NaN/Inf gradients give NaN updates (use
+  optax.apply_if_finite)."""
   x = np.ones((4, 4), np.float32)
   x[0, 0] = np.nan
   assert np.all(np.isnan(om.newton_schulz(x)))
@@ -139,14 +166,17 @@ def test_msign_rank_deficient():
   assert rel_err(out, ref) < 5e-3
 
 
-@pytest.mark.parametrize("coeffs,match", [
-    ("newton", "Unknown Newton–Schulz preset 'newton'"),
-    ([], r"shape \(0,\)"),
-    ([(1.0, 2.0)], r"shape \(1, 2\)"),
-    ([[1.0, 2.0, 3.0], [1.0, 2.0]], "must be a preset name"),
-    ([(1.0, float("nan"), 0.0)], "finite"),
-    (("jordan", 5, 1e-3), "Only \\('polar_express'"),
-])
+@pytest.mark.parametrize(
+    "coeffs,match",
+    [
+        ("newton", "Unknown Newton–Schulz preset 'newton'"),
+        ([], r"shape \(0,\)"),
+        ([(1.0, 2.0)], r"shape \(1, 2\)"),
+        ([[1.0, 2.0, 3.0], [1.0, 2.0]], "must be a preset name"),
+        ([(1.0, float("nan"), 0.0)], "finite"),
+        (("jordan", 5, 1e-3), "Only \\('polar_express'"),
+    ],
+)
 def test_bad_coefficients(coeffs, match):
   with pytest.raises(ValueError, match=match):
     om.newton_schulz(jnp.ones((4, 4)), coeffs)
@@ -159,7 +189,9 @@ def test_bad_steps(steps):
 
 
 def test_bad_arrays():
-  with pytest.raises(ValueError, match=r"shape \(\.\.\., m, n\); got shape \(4,\)"):
+  with pytest.raises(
+      ValueError, match=r"shape \(\.\.\., m, n\); got shape \(4,\)"
+  ):
     om.newton_schulz(jnp.ones(4))
   with pytest.raises(ValueError, match="floating-point"):
     om.newton_schulz(jnp.ones((4, 4), jnp.int32))
@@ -167,13 +199,18 @@ def test_bad_arrays():
 
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(m=st.integers(1, 40), n=st.integers(1, 40),
-       dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
-       log_scale=st.floats(-20, 20), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
+    log_scale=st.floats(-20, 20),
+    seed=st.integers(0, 2**16),
+)
 def test_property_polar_express_is_orthogonal(m, n, dtype, log_scale, seed):
-  """Any shape, dtype and scale: finite, same shape/dtype, and singular values near 1 for
-  well-conditioned inputs."""
-  # The input itself must be representable (fp16 spans about 6e-5 .. 6e4 at full precision).
+  """Any shape, dtype and scale: finite, same shape/dtype, and singular values
+  near 1 for well-conditioned inputs."""
+  # The input itself must be representable (fp16 spans about 6e-5 .. 6e4 at full
+  # precision).
   assume(dtype != jnp.float16 or -3 <= log_scale <= 3)
   rng = np.random.default_rng(seed)
   sv = np.geomspace(0.1, 1.0, min(m, n)) * 10.0**log_scale
@@ -187,11 +224,13 @@ def test_property_polar_express_is_orthogonal(m, n, dtype, log_scale, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,steps", [("jordan", 5), ("polar_express", 6),
-                                          ("polar_express", 8)])
+@pytest.mark.parametrize(
+    "preset,steps", [("jordan", 5), ("polar_express", 6), ("polar_express", 8)]
+)
 @pytest.mark.parametrize("shape", [(32, 128), (128, 32), (24, 24)])
 def test_gram_iteration_matches_standard(preset, steps, shape):
-  """Gram-space NS (with restarts) is the same iteration: within 2e-5 in float32."""
+  """Gram-space NS (with restarts) is the same iteration: within 2e-5 in
+  float32."""
   x = _two_decade_matrices(*shape, batch=2, seed=9)
   standard = om.newton_schulz(x, preset, ns_steps=steps, method="standard")
   gram = om.newton_schulz(x, preset, ns_steps=steps, method="gram")
@@ -200,25 +239,37 @@ def test_gram_iteration_matches_standard(preset, steps, shape):
 
 def test_auto_method_picks_gram_only_where_it_saves_flops():
   from optax_muon._src.muon.costs import uses_gram
+
   assert uses_gram("auto", 256, 1024, 5)
   assert not uses_gram("auto", 256, 256, 5)
   assert not uses_gram("auto", 256, 1024, 5, compute_dtype=jnp.bfloat16)
   assert ns_flops(256, 1024, 5, gram=True) < 0.7 * ns_flops(256, 1024, 5)
   with pytest.raises(ValueError, match="Unknown Newton–Schulz method 'fast'"):
     om.newton_schulz(jnp.ones((4, 8)), method="fast")
-  with pytest.raises(ValueError, match="gram_restart must be a positive integer"):
+  with pytest.raises(
+      ValueError, match="gram_restart must be a positive integer"
+  ):
     om.newton_schulz(jnp.ones((4, 8)), gram_restart=0)
 
 
 @pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True)
-@given(m=st.integers(2, 48), n=st.integers(2, 48), seed=st.integers(0, 2**16),
-       log_floor=st.floats(-2.0, 0.0),
-       preset=st.sampled_from([("polar_express", 8, 1e-2), ("deepseek_v4", None, 1e-2),
-                               ("jordan", 5, 0.55)]))
+@given(
+    m=st.integers(2, 48),
+    n=st.integers(2, 48),
+    seed=st.integers(0, 2**16),
+    log_floor=st.floats(-2.0, 0.0),
+    preset=st.sampled_from(
+        [
+            ("polar_express", 8, 1e-2),
+            ("deepseek_v4", None, 1e-2),
+            ("jordan", 5, 0.55),
+        ]
+    ),
+)
 def test_property_accuracy_over_spectra(m, n, seed, log_floor, preset):
-  """Random spectra in [10^log_floor, 1] (normalized σ ≥ 1e-3): each preset stays within its
-  exact-arithmetic bound (Jordan ×5: 0.53) plus rounding."""
+  """Random spectra in [10^log_floor, 1] (normalized σ ≥ 1e-3): each preset
+  stays within its exact-arithmetic bound (Jordan ×5: 0.53) plus rounding."""
   name, steps, tol = preset
   rng = np.random.default_rng(seed)
   sv = np.sort(10.0 ** rng.uniform(log_floor, 0.0, min(m, n)))[::-1]
@@ -229,14 +280,23 @@ def test_property_accuracy_over_spectra(m, n, seed, log_floor, preset):
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_products_carry_the_precision_asked_for(method):
-  """float32 NS: every product at HIGHEST precision (a TPU's DEFAULT is one bfloat16 pass, a
-  GPU's allows TF32); bfloat16 NS: bf16 operands accumulated in float32."""
+  """float32 NS: every product at HIGHEST precision (a TPU's DEFAULT is one
+  bfloat16 pass, a GPU's allows TF32); bfloat16 NS: bf16 operands accumulated in
+  float32."""
   import re  # noqa: PLC0415
+
   x = jnp.ones((16, 64))
-  for compute, want in ((jnp.float32, "precision = [HIGHEST, HIGHEST]"),
-                        (jnp.bfloat16, "bf16>) -> tensor<")):
-    text = jax.jit(lambda x: om.newton_schulz(x, compute_dtype=compute, method=method)
-                   ).lower(x).as_text()
+  for compute, want in (
+      (jnp.float32, "precision = [HIGHEST, HIGHEST]"),
+      (jnp.bfloat16, "bf16>) -> tensor<"),
+  ):
+    text = (
+        jax.jit(
+            lambda x: om.newton_schulz(x, compute_dtype=compute, method=method)  # noqa: B023 (called in this iteration)
+        )
+        .lower(x)
+        .as_text()
+    )
     dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
     assert dots and all(want in l for l in dots), (compute, dots[:2])
     if compute == jnp.bfloat16:

@@ -1,6 +1,7 @@
-"""Exchanges in stages (``ShardingOptions.exchange_stages``): the update equals the
-single-device one, each stage is one all-to-all each way with the plan's FLOPs per device,
-and the cost model splits only where overlap shortens its modelled time."""
+"""Exchanges in stages (``ShardingOptions.exchange_stages``): the update equals
+the single-device one, each stage is one all-to-all each way with the plan's
+FLOPs per device, and the cost model splits only where overlap shortens its
+modelled time."""
 
 import math
 import re
@@ -25,23 +26,33 @@ PROHIBITIVE = om.CostModel(1e12, 1.0, 1.0)
 
 
 def _stage_counts(plan):
-  return [len(s) for g in plan.groups for s in costs.exchange_stages(g.exchanges)]
+  return [
+      len(s) for g in plan.groups for s in costs.exchange_stages(g.exchanges)
+  ]
 
 
 def test_pipelined_seconds():
   # One stage: out, NS, back in turn.
   assert costs.pipelined_seconds([5.0], [1.0], [2.0]) == 8.0
-  # NS longer than what moves beside it: only the first out and the last back show.
+  # NS longer than what moves beside it: only the first out and the last back
+  # show.
   assert costs.pipelined_seconds([3.0] * 3, [1.0] * 3, [1.0] * 3) == 1 + 9 + 1
   # Communication longer: NS hides behind it.
-  assert costs.pipelined_seconds([1.0, 1.0], [3.0, 3.0], [3.0, 3.0]) == 3 + 3 + 3 + 3
+  assert (
+      costs.pipelined_seconds([1.0, 1.0], [3.0, 3.0], [3.0, 3.0])
+      == 3 + 3 + 3 + 3
+  )
 
 
-@pytest.mark.parametrize("case, stages", [
-    pytest.param("fsdp8-3-layers", 2, marks=pytest.mark.slow),
-    pytest.param("fsdp8-3-layers", 3, marks=pytest.mark.slow),
-    ("dp2xfsdp4-split", 2),
-    pytest.param("fsdp4xtp2-3-layers", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case, stages",
+    [
+        pytest.param("fsdp8-3-layers", 2, marks=pytest.mark.slow),
+        pytest.param("fsdp8-3-layers", 3, marks=pytest.mark.slow),
+        ("dp2xfsdp4-split", 2),
+        pytest.param("fsdp4xtp2-3-layers", 2, marks=pytest.mark.slow),
+    ],
+)
 def test_staged_exchange_equals_single_device(case, stages):
   shape, names, kind, specs_fn, policy = base.CASES[case]
   params, dims = base._tree(kind)
@@ -50,57 +61,93 @@ def test_staged_exchange_equals_single_device(case, stages):
   mesh = base._mesh(shape, names, AxisType.Explicit)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
-  tx = om.muon(0.1, muon_weight_dimension_numbers=dims, ns_options=base.STANDARD,
-               sharding=om.ShardingOptions(replica_policy=policy, exchange_stages=stages))
-  one = om.muon(0.1, muon_weight_dimension_numbers=dims, ns_options=base.STANDARD,
-                sharding=om.ShardingOptions(replica_policy=policy, exchange_stages=1))
+  tx = om.muon(
+      0.1,
+      muon_weight_dimension_numbers=dims,
+      ns_options=base.STANDARD,
+      sharding=om.ShardingOptions(
+          replica_policy=policy, exchange_stages=stages
+      ),
+  )
+  one = om.muon(
+      0.1,
+      muon_weight_dimension_numbers=dims,
+      ns_options=base.STANDARD,
+      sharding=om.ShardingOptions(replica_policy=policy, exchange_stages=1),
+  )
   sharded = put(params)
-  updates, _, compiled = base.sharded_steps(tx, mesh, sharded, [put(g) for g in grads])
+  updates, _, compiled = base.sharded_steps(
+      tx, mesh, sharded, [put(g) for g in grads]
+  )
   base._compare(updates, reference)
 
   plan, whole = om.summarize(sharded, tx).plan, om.summarize(sharded, one).plan
   assert max(_stage_counts(plan)) == stages and max(_stage_counts(whole)) == 1
-  # The same owners, cut into stages: each device's NS FLOPs unchanged, all in the HLO.
+  # The same owners, cut into stages: each device's NS FLOPs unchanged, all in
+  # the HLO.
   np.testing.assert_array_equal(plan.device_ns_flops(), whole.device_ns_flops())
   cost = hlo_cost.analyze(compiled, 8)
-  np.testing.assert_array_equal(compiled_device_flops(cost, plan), plan.device_ns_flops())
+  np.testing.assert_array_equal(
+      compiled_device_flops(cost, plan), plan.device_ns_flops()
+  )
   exchanges = sum(_stage_counts(plan))
   assert len(re.findall(r" all-to-all\(", compiled.as_text())) == 2 * exchanges
   assert cost.received_bytes == plan.device_received_bytes().max()
 
 
 def _seven_b(model, stages=None):
-  """A Llama-7B-like tree of abstract leaves, FSDP over 8 CPU devices, and its plan."""
+  """A Llama-7B-like tree of abstract leaves, FSDP over 8 CPU devices, and its
+  plan."""
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
   params, dims, _, shardings = aot.llama_tree(mesh, **aot.TREES["7b"])
-  tx = om.muon(0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings,
-               ns_options=om.NSOptions(compute_dtype=jnp.bfloat16),  # as on an accelerator
-               sharding=om.ShardingOptions(cost_model=model, exchange_stages=stages))
+  tx = om.muon(
+      0.02,
+      muon_weight_dimension_numbers=dims,
+      param_shardings=shardings,
+      ns_options=om.NSOptions(
+          compute_dtype=jnp.bfloat16
+      ),  # as on an accelerator
+      sharding=om.ShardingOptions(cost_model=model, exchange_stages=stages),
+  )
   return om.summarize(params, tx).plan
 
 
 def test_the_cost_model_chooses_the_stages():
-  # XLA:CPU's profile cannot overlap; free or prohibitive communication gains nothing.
+  # XLA:CPU's profile cannot overlap; free or prohibitive communication gains
+  # nothing.
   for model in (PROFILES["cpu"], FREE, PROHIBITIVE):
     assert _stage_counts(_seven_b(model)) == [1], model
-  # An H100's NS in bfloat16 beside NVLink: split, the modelled time shorter than one
-  # stage's, the same FLOPs per device.
+  # An H100's NS in bfloat16 beside NVLink: split, the modelled time shorter
+  # than one stage's, the same FLOPs per device.
   h100 = PROFILES["h100"]
   staged, whole = _seven_b(h100), _seven_b(h100, stages=1)
   assert max(_stage_counts(staged)) > 1
   assert staged.critical_seconds() < whole.critical_seconds()
-  np.testing.assert_array_equal(staged.device_ns_flops(), whole.device_ns_flops())
+  np.testing.assert_array_equal(
+      staged.device_ns_flops(), whole.device_ns_flops()
+  )
   model = staged.cost_model
-  ns, out, back = zip(*(costs._stage_seconds(staged, g, ex, model) for g in staged.groups
-                        for ex in g.exchanges))
-  assert staged.critical_seconds() == pytest.approx(costs.pipelined_seconds(ns, out, back))
+  ns, out, back = zip(
+      *(
+          costs._stage_seconds(staged, g, ex, model)
+          for g in staged.groups
+          for ex in g.exchanges
+      )
+  )
+  assert staged.critical_seconds() == pytest.approx(
+      costs.pipelined_seconds(ns, out, back)
+  )
 
 
 def test_exchanges_with_teams_keep_one_stage():
   params = {"w": jnp.ones((256, 256)), "v": jnp.ones((256, 512))}
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), params)
-  tx = om.muon(0.1, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=4))
+  sharded = jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), params
+  )
+  tx = om.muon(
+      0.1, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=4)
+  )
   plan = om.summarize(sharded, tx).plan
   assert any(ex.teams for g in plan.groups for ex in g.exchanges)
   assert _stage_counts(plan) == [1] * len(_stage_counts(plan))
@@ -108,18 +155,32 @@ def test_exchanges_with_teams_keep_one_stage():
 
 @pytest.mark.parametrize("stages", [0, -1, True, 1.5, "2"])
 def test_bad_exchange_stages(stages):
-  with pytest.raises(ValueError, match="exchange_stages must be a positive int or None"):
+  with pytest.raises(
+      ValueError, match="exchange_stages must be a positive int or None"
+  ):
     om.ShardingOptions(exchange_stages=stages)
 
 
 def test_summary_counts_every_stage():
   params = base.gpt_tree(32, 3)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
-                         base._fsdp_specs(params))
-  tx = om.muon(0.1, ns_options=base.STANDARD, sharding=om.ShardingOptions(exchange_stages=2))
+  sharded = jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+      params,
+      base._fsdp_specs(params),
+  )
+  tx = om.muon(
+      0.1,
+      ns_options=base.STANDARD,
+      sharding=om.ShardingOptions(exchange_stages=2),
+  )
   rows = {r.path: r for r in om.summarize(sharded, tx).rows}
-  # The same owners as in one stage (see test_sharded's summary test), cut in two.
+  # The same owners as in one stage (see test_sharded's summary test), cut in
+  # two.
   assert rows["blocks/0/q"].placement.endswith(
-      "12 matrices, 1–3 whole per worker of 8, exchanged in 2 stages")
-  assert "6 matrices, 0–1 whole per worker of 8" in rows["blocks/0/mlp_in"].placement
+      "12 matrices, 1–3 whole per worker of 8, exchanged in 2 stages"
+  )
+  assert (
+      "6 matrices, 0–1 whole per worker of 8"
+      in rows["blocks/0/mlp_in"].placement
+  )

@@ -1,6 +1,8 @@
-"""How a full optimizer is assembled around a matrix direction (Muon's or Dion's): the
-routed ``optax.partition`` of the matrix chain (direction, shape factor, weight decay,
-learning rate) and the AdamW branch, QK-clip last; and the pieces it is made of."""
+"""How a full optimizer is assembled around a matrix direction (Muon's or
+Dion's): the routed ``optax.partition`` of the matrix chain (direction, shape
+  factor, weight decay,
+learning rate) and the AdamW branch, QK-clip last; and the pieces it is made of.
+"""
 
 from __future__ import annotations
 
@@ -20,20 +22,24 @@ from optax_muon._src.core.tree_utils import check_same_shapes
 from optax_muon._src.core.user_warnings import OncePerTransformation
 from optax_muon._src.core.weight_decay import add_cautious_decayed_weights
 
-
 #: AdamW's epsilon when ``eps`` is not given (optax's default).
 ADAM_EPS = 1e-8
 
 
-def with_float32_moments(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-  """Runs ``inner`` on float32 copies of 16-bit leaves, so that its state is float32.
+def with_float32_moments(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+  """Runs ``inner`` on float32 copies of 16-bit leaves, so that its state is
+  float32.
 
-  AdamW in float16 divides by √ν + ε with ε = 1e-8 below float16's smallest value (zero
-  gradients give 0/0) and squares gradients above 256 past its largest; in float32 neither
-  happens. Updates come back in each leaf's own dtype; other leaves pass through as they
-  are.
+  AdamW in float16 divides by √ν + ε with ε = 1e-8 below float16's smallest
+  value (zero gradients give 0/0) and squares gradients above 256 past its
+  largest; in float32 neither happens. Updates come back in each leaf's own
+  dtype; other leaves pass through as they are.
   """
-  widen = lambda tree: jax.tree.map(lambda x: x.astype(moment_dtype(x.dtype)), tree)
+  widen = lambda tree: jax.tree.map(
+      lambda x: x.astype(moment_dtype(x.dtype)), tree
+  )
 
   def init_fn(params):
     return inner.init(widen(params))
@@ -47,23 +53,25 @@ def with_float32_moments(inner: optax.GradientTransformation) -> optax.GradientT
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def followed_by_stateless(tx: optax.GradientTransformation,
-                          *stages: optax.GradientTransformation
-                          ) -> optax.GradientTransformationExtraArgs:
-  """``tx``, then each of ``stages`` (transformations without state), with ``tx``'s state.
+def followed_by_stateless(
+    tx: optax.GradientTransformation, *stages: optax.GradientTransformation
+) -> optax.GradientTransformationExtraArgs:
+  """``tx``, then each of ``stages`` (transformations without state), with
+  ``tx``'s state.
 
-  ``optax.chain`` would add an empty entry per stage to the state; this keeps the state's
-  structure what ``tx`` alone gives, so that the shape factor and QK-clip leave it as it
-  was (and turning QK-clip on or off leaves checkpoints compatible).
+  ``optax.chain`` would add an empty entry per stage to the state; this keeps
+  the state's structure what ``tx`` alone gives, so that the shape factor and
+  QK-clip leave it as it was (and turning QK-clip on or off leaves checkpoints
+  compatible).
 
   Args:
     tx: the transformation whose state is kept.
-    *stages: stateless transformations, applied in order after ``tx``; their ``init`` runs
-      too (it validates).
+    *stages: stateless transformations, applied in order after ``tx``; their
+      ``init`` runs too (it validates).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; ``update`` forwards every extra argument
-    to every stage that takes it.
+    An ``optax.GradientTransformationExtraArgs``; ``update`` forwards every
+    extra argument to every stage that takes it.
   """
   tx = optax.with_extra_args_support(tx)
   stages = tuple(optax.with_extra_args_support(stage) for stage in stages)
@@ -76,15 +84,25 @@ def followed_by_stateless(tx: optax.GradientTransformation,
   def update_fn(updates, state, params=None, **extra_args):
     updates, state = tx.update(updates, state, params, **extra_args)
     for stage in stages:
-      updates, _ = stage.update(updates, optax.EmptyState(), params, **extra_args)
+      updates, _ = stage.update(
+          updates, optax.EmptyState(), params, **extra_args
+      )
     return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def check_alias_arguments(*, learning_rate: Any, adam_learning_rate: Any, adam_b1: Any,
-                          adam_b2: Any, weight_decay: Any, adam_weight_decay: Any,
-                          scale: str | None, consistent_rms: Any) -> None:
+def check_alias_arguments(
+    *,
+    learning_rate: Any,
+    adam_learning_rate: Any,
+    adam_b1: Any,
+    adam_b2: Any,
+    weight_decay: Any,
+    adam_weight_decay: Any,
+    scale: str | None,
+    consistent_rms: Any,
+) -> None:
   """Checks the arguments ``muon`` and ``dion`` share.
 
   Raises:
@@ -98,8 +116,10 @@ def check_alias_arguments(*, learning_rate: Any, adam_learning_rate: Any, adam_b
   check_number("adam_weight_decay", adam_weight_decay, 0.0)
   check_shape_scale(scale, consistent_rms)
   if consistent_rms is not None and scale == "spectral":
-    raise ValueError("consistent_rms replaces the shape scale; pass it or "
-                     "scale='spectral', not both.")
+    raise ValueError(
+        "consistent_rms replaces the shape scale; pass it or "
+        "scale='spectral', not both."
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +130,8 @@ class AdamBranch:
     learning_rate: its learning rate; None takes the matrices'.
     b1, b2, eps_root: its moments' decays and the root's epsilon.
     eps: its epsilon; None is ``ADAM_EPS``.
-    weight_decay, weight_decay_mask: its decoupled weight decay and which leaves it decays.
+    weight_decay, weight_decay_mask: its decoupled weight decay and which leaves
+      it decays.
     mu_dtype: its first moment's dtype, or None.
     nesterov: NAdamW rather than AdamW.
   """
@@ -126,17 +147,25 @@ class AdamBranch:
   nesterov: bool = True
 
 
-def matrices_and_adam(direction: optax.GradientTransformation, options: TreeOptions, *,
-                      learning_rate: optax.ScalarOrSchedule, consistent_rms: Any,
-                      weight_decay: Any, weight_decay_mask: Any, adam: AdamBranch,
-                      keep: type) -> optax.GradientTransformationExtraArgs:
-  """The full optimizer around a matrix direction: routed by ``options``, the direction
-  then the shape factor, the weight decay and the learning rate on the matrices, ``adam``
-  on the rest, QK-clip last.
+def matrices_and_adam(
+    direction: optax.GradientTransformation,
+    options: TreeOptions,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
+    consistent_rms: Any,
+    weight_decay: Any,
+    weight_decay_mask: Any,
+    adam: AdamBranch,
+    keep: type,
+) -> optax.GradientTransformationExtraArgs:
+  """The full optimizer around a matrix direction: routed by ``options``, the
+  direction then the shape factor, the weight decay and the learning rate on the
+  matrices, ``adam`` on the rest, QK-clip last.
 
   Args:
     direction: the matrices' direction (``muon_direction`` or Dion's).
-    options: the static options (routing, shapes, shardings, scale, decay kind, QK-clip).
+    options: the static options (routing, shapes, shardings, scale, decay kind,
+      QK-clip).
     learning_rate: the matrices' learning rate.
     consistent_rms: the RMS-matching factor, or None (may be an injected array).
     weight_decay, weight_decay_mask: the matrices' decoupled weight decay.
@@ -146,38 +175,59 @@ def matrices_and_adam(direction: optax.GradientTransformation, options: TreeOpti
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
   """
-  # The decay stage is always there (even for λ = 0) so that the state's structure does
-  # not depend on whether λ is a Python number or traced (optax.inject_hyperparams).
-  decay = (add_cautious_decayed_weights if options.cautious_weight_decay
-           else optax.add_decayed_weights)
+  # The decay stage is always there (even for λ = 0) so that the state's
+  # structure does not depend on whether λ is a Python number or traced
+  # (optax.inject_hyperparams).
+  decay = (
+      add_cautious_decayed_weights
+      if options.cautious_weight_decay
+      else optax.add_decayed_weights
+  )
   muon_chain = optax.chain(
-      followed_by_stateless(direction, shape_scaling(branch_options(options), consistent_rms,
-                                                     options.scale)),
+      followed_by_stateless(
+          direction,
+          shape_scaling(branch_options(options), consistent_rms, options.scale),
+      ),
       decay(weight_decay, weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate))
+      optax.scale_by_learning_rate(learning_rate),
+  )
   # optax.adamw's own chain, with the decay stage chosen above.
-  adam_chain = with_float32_moments(optax.chain(
-      optax.scale_by_adam(b1=adam.b1, b2=adam.b2, eps=ADAM_EPS if adam.eps is None else adam.eps,
-                          eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
-                          nesterov=adam.nesterov),
-      decay(adam.weight_decay, adam.weight_decay_mask),
-      optax.scale_by_learning_rate(
-          learning_rate if adam.learning_rate is None else adam.learning_rate)))
-  tx = optax.partition({MUON: muon_chain, ADAM: adam_chain},
-                       lambda params: tree_spec(params, options).labels(params))
+  adam_chain = with_float32_moments(
+      optax.chain(
+          optax.scale_by_adam(
+              b1=adam.b1,
+              b2=adam.b2,
+              eps=ADAM_EPS if adam.eps is None else adam.eps,
+              eps_root=adam.eps_root,
+              mu_dtype=adam.mu_dtype,
+              nesterov=adam.nesterov,
+          ),
+          decay(adam.weight_decay, adam.weight_decay_mask),
+          optax.scale_by_learning_rate(
+              learning_rate
+              if adam.learning_rate is None
+              else adam.learning_rate
+          ),
+      )
+  )
+  tx = optax.partition(
+      {MUON: muon_chain, ADAM: adam_chain},
+      lambda params: tree_spec(params, options).labels(params),
+  )
   if options.qk_clip is not None:
     tx = followed_by_stateless(tx, options.qk_clip.transformation())
   return _checked_and_placed(tx, options, keep)
 
 
-def _checked_and_placed(tx: optax.GradientTransformation, options: TreeOptions, keep: type
-                        ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` whose ``init`` warns (once) about what the routing did that the user may not
-  expect and puts AdamW's moments where their params live, and whose ``update`` names the
-  leaf whose gradient does not fit its param.
+def _checked_and_placed(
+    tx: optax.GradientTransformation, options: TreeOptions, keep: type
+) -> optax.GradientTransformationExtraArgs:
+  """``tx`` whose ``init`` warns (once) about what the routing did that the user
+  may not expect and puts AdamW's moments where their params live, and whose
+  ``update`` names the leaf whose gradient does not fit its param.
 
-  The direction's state (of type ``keep``) is made in place; AdamW's would be replicated
-  by ``jax.jit(tx.init)`` on an Auto mesh.
+  The direction's state (of type ``keep``) is made in place; AdamW's would be
+  replicated by ``jax.jit(tx.init)`` on an Auto mesh.
   """
   tx = optax.with_extra_args_support(tx)
   warnings = OncePerTransformation()
@@ -188,8 +238,12 @@ def _checked_and_placed(tx: optax.GradientTransformation, options: TreeOptions, 
     state = tx.init(params)
     if options.param_shardings is None or inside_shard_map():
       return state
-    return place_like_params(state, params, [None if leaf is None else leaf.sharding
-                                             for leaf in spec.leaves], keep=keep)
+    return place_like_params(
+        state,
+        params,
+        [None if leaf is None else leaf.sharding for leaf in spec.leaves],
+        keep=keep,
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:
@@ -197,4 +251,3 @@ def _checked_and_placed(tx: optax.GradientTransformation, options: TreeOptions, 
     return tx.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-

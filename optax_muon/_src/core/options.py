@@ -1,10 +1,14 @@
-"""The option objects of this package: frozen, validated once, compared by value.
+"""The option objects of this package: frozen, validated once, compared by
+value.
 
-``scale_by_muon`` and ``muon`` take optax.contrib's arguments as they are; what this package
-adds comes grouped here, one object per concept: how Newton–Schulz runs (``NSOptions``),
-how sharded leaves are exchanged (``ShardingOptions``), NorMuon (``NorMuon``) and which leaf
-goes to which optimizer (``Routing``). QK-clip's options live with it (``qk_clipping.QKClip``).
-Every field is checked when the object is made, with a ``ValueError`` naming the field.
+``scale_by_muon`` and ``muon`` take optax.contrib's arguments as they are; what
+this package
+adds comes grouped here, one object per concept: how Newton–Schulz runs
+  (``NSOptions``),
+how sharded leaves are exchanged (``ShardingOptions``), NorMuon (``NorMuon``)
+and which leaf goes to which optimizer (``Routing``). QK-clip's options live
+with it (``qk_clipping.QKClip``). Every field is checked when the object is
+made, with a ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -16,34 +20,50 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon._src.core import tree_utils
-from optax_muon._src.muon.costs import GRAM_RESTART, METHODS, CostModel, matrix_flops
+from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.core.layout_rules import HEADS, KNOWN_LAYOUTS, LayoutRule
 
 REPLICA_POLICIES = ("split", "redundant")
 EXCHANGES = ("combined", "per_shape")
 
-#: Leaves whose path matches this go to AdamW under the default routing: embeddings and
-#: output heads (any path component containing "embed", or named lm_head, wte, wpe, head),
-#: and norm scales however they are stacked (a component containing "norm", one named ln,
+#: Leaves whose path matches this go to AdamW under the default routing:
+#: embeddings and
+#: output heads (any path component containing "embed", or named lm_head, wte,
+#: wpe, head),
+#: and norm scales however they are stacked (a component containing "norm", one
+#: named ln,
 #: ln1, ln_2, ln_f..., or a leaf named scale or ending in _scale, as ln_scale).
-DEFAULT_ADAM_PATTERN = (r"(?i)embed|norm|(^|/)(lm_head|wte|wpe|head|ln[_\d]*f?)(/|$)"
-                        r"|(^|[/_])scale$")
+DEFAULT_ADAM_PATTERN = (
+    r"(?i)embed|norm|(^|/)(lm_head|wte|wpe|head|ln[_\d]*f?)(/|$)"
+    r"|(^|[/_])scale$"
+)
 
 
-def check_number(name: str, value: Any, low: float, high: float | None = None, *,
-                 low_open: bool = False, high_closed: bool = False) -> None:
+def check_number(
+    name: str,
+    value: Any,
+    low: float,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_closed: bool = False,
+) -> None:
   """Raises ValueError if a Python number lies outside [low, high).
 
-  ``low_open`` excludes ``low``, ``high_closed`` includes ``high``. Arrays and traced values
-  (``optax.inject_hyperparams``) pass unchecked.
+  ``low_open`` excludes ``low``, ``high_closed`` includes ``high``. Arrays and
+  traced values (``optax.inject_hyperparams``) pass unchecked.
   """
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     return
   too_low = value <= low if low_open else value < low
-  too_high = high is not None and (value > high if high_closed else value >= high)
+  too_high = high is not None and (
+      value > high if high_closed else value >= high
+  )
   if too_low or too_high or value != value:
-    interval = (f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}"
-                f"{']' if high_closed else ')'}")
+    interval = (
+        f"{'(' if low_open else '['}{low},"
+        f" {high if high is not None else 'inf'}{']' if high_closed else ')'}"
+    )
     raise ValueError(f"{name} must lie in {interval}, got {value!r}.")
 
 
@@ -56,34 +76,38 @@ def dtype_or_none(value: Any) -> np.dtype | None:
   return None if value is None else jnp.dtype(value)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardingOptions:
-  """How the plan moves sharded matrices to their owners (see ``optax_muon._src.muon.plan``).
+  """How the plan moves sharded matrices to their owners (see
+  ``optax_muon._src.muon.plan``).
 
   Attributes:
-    replica_policy: for leaves replicated over some mesh axes: ``"split"`` the NS work
-      among the replicas and all-gather the results, or compute it ``"redundant"`` on each.
-    wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the bytes);
-      ``None`` keeps the leaves'.
-    exchange: ``"combined"``: one all-to-all each way for all leaves that share their mesh
-      axes, owners balanced over every shape at once (on FSDP and FSDP × TP meshes one for
-      the whole tree); ``"per_shape"``: one each way per same-shape set of matrices, each
-      spread evenly, so that only one set's buffers are alive at a time (less balance).
-    cost_model: how fast the devices compute and communicate (``CostModel``); the plan
-      splits a matrix over a team of devices where that shortens the modelled critical
-      path of the whole tree. ``None``: the profile of the planned mesh's devices, by
-      their ``device_kind`` (a topology's too, for ahead-of-time compilation; an abstract
-      mesh has none, then ``jax.devices()``'s), at the NS compute dtype's rate (see
-      ``CostModel.profile``).
-    exchange_stages: split each exchange (without teams) by matrix into this many stages,
-      so that a stage's all-to-alls move while another stage is orthogonalized (at most
-      as many as the busiest owner has matrices); ``None``: as many as shorten the cost
-      model's modelled time (one on XLA:CPU, whose collectives cannot overlap compute).
+    replica_policy: for leaves replicated over some mesh axes: ``"split"`` the
+      NS work among the replicas and all-gather the results, or compute it
+      ``"redundant"`` on each.
+    wire_dtype: dtype of the all-to-all buffers (``jnp.bfloat16`` halves the
+      bytes); ``None`` keeps the leaves'.
+    exchange: ``"combined"``: one all-to-all each way for all leaves that share
+      their mesh axes, owners balanced over every shape at once (on FSDP and
+      FSDP × TP meshes one for the whole tree); ``"per_shape"``: one each way
+      per same-shape set of matrices, each spread evenly, so that only one set's
+      buffers are alive at a time (less balance).
+    cost_model: how fast the devices compute and communicate (``CostModel``);
+      the plan splits a matrix over a team of devices where that shortens the
+      modelled critical
+      path of the whole tree. ``None``: the profile of the planned mesh's
+        devices, by
+      their ``device_kind`` (a topology's too, for ahead-of-time compilation; an
+      abstract mesh has none, then ``jax.devices()``'s), at the NS compute
+      dtype's rate (see ``CostModel.profile``).
+    exchange_stages: split each exchange (without teams) by matrix into this
+      many stages, so that a stage's all-to-alls move while another stage is
+      orthogonalized (at most as many as the busiest owner has matrices);
+      ``None``: as many as shorten the cost model's modelled time (one on
+        XLA:CPU, whose collectives cannot overlap compute).
       TPUs need asynchronous all-to-alls for the overlap (``LIBTPU_INIT_ARGS=
-      --xla_tpu_enable_async_all_to_all=true``), GPUs the latency-hiding scheduler
-      (``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``).
+      --xla_tpu_enable_async_all_to_all=true``), GPUs the latency-hiding
+      scheduler (``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``).
 
   Examples:
     >>> import optax_muon
@@ -100,17 +124,27 @@ class ShardingOptions:
   def __post_init__(self):
     object.__setattr__(self, "wire_dtype", dtype_or_none(self.wire_dtype))
     stages = self.exchange_stages
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
-                               or stages < 1):
-      raise ValueError(f"ShardingOptions.exchange_stages must be a positive int or None, got "
-                       f"{stages!r}.")
-    if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
-      raise ValueError(f"ShardingOptions.cost_model must be an optax_muon.CostModel or None, "
-                       f"got {self.cost_model!r}.")
-    check_choice("ShardingOptions", "replica_policy", self.replica_policy, REPLICA_POLICIES)
+    if stages is not None and (
+        isinstance(stages, bool) or not isinstance(stages, int) or stages < 1
+    ):
+      raise ValueError(
+          "ShardingOptions.exchange_stages must be a positive int or None, got"
+          f" {stages!r}."
+      )
+    if self.cost_model is not None and not isinstance(
+        self.cost_model, CostModel
+    ):
+      raise ValueError(
+          "ShardingOptions.cost_model must be an optax_muon.CostModel or None,"
+          f" got {self.cost_model!r}."
+      )
+    check_choice(
+        "ShardingOptions",
+        "replica_policy",
+        self.replica_policy,
+        REPLICA_POLICIES,
+    )
     check_choice("ShardingOptions", "exchange", self.exchange, EXCHANGES)
-
-
 
 
 def _is_label(x: Any) -> bool:
@@ -119,32 +153,34 @@ def _is_label(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Which leaves ``muon`` sends to Muon and which to AdamW, and how a Muon leaf is read as
-  matrices (see ``routing.route`` and the layouts page of the docs).
+  """Which leaves ``muon`` sends to Muon and which to AdamW, and how a Muon leaf
+  is read as matrices (see ``routing.route`` and the layouts page of the docs).
 
   Attributes:
-    labels: ``"muon"``/``"adam"`` per leaf: a tree, prefix tree, single label or callable
-      ``params -> such a tree``; overrides every other rule.
-    adam_pattern: a regular expression searched in each leaf's path: leaves that match go
-      to AdamW (embeddings, output heads); ``None`` disables it.
-    biases: biases go to AdamW: leaves named ``bias``, ``*_bias`` (and ``b`` beside a
-      ``w``, as Haiku names them), and leaves beside a kernel (``kernel``, ``w``,
-      ``weight``) whose shape ends with theirs (the (heads, head_dim) biases of Flax's
-      attention).
-    layouts: the ``LayoutRule``s that say how ≥3-D (and Equinox's) kernels are read as
-      matrices; the first rule that matches a leaf applies. ``KNOWN_LAYOUTS`` (Gemma, Flax
-      attention, Equinox) by default; put your own first:
-      ``layouts=(LayoutRule(...), *optax_muon.KNOWN_LAYOUTS)``.
-    heads: attention heads in a layout rule or logical names: ``"whole"`` orthogonalizes
-      the whole d_model × heads·head_dim projection (Moonlight, Kimi K2), ``"per_head"``
-      each head's own matrix.
+    labels: ``"muon"``/``"adam"`` per leaf: a tree, prefix tree, single label or
+      callable ``params -> such a tree``; overrides every other rule.
+    adam_pattern: a regular expression searched in each leaf's path: leaves that
+      match go to AdamW (embeddings, output heads); ``None`` disables it.
+    biases: biases go to AdamW: leaves named ``bias``, ``*_bias`` (and ``b``
+      beside a ``w``, as Haiku names them), and leaves beside a kernel
+      (``kernel``, ``w``, ``weight``) whose shape ends with theirs (the (heads,
+      head_dim) biases of Flax's attention).
+    layouts: the ``LayoutRule``s that say how ≥3-D (and Equinox's) kernels are
+      read as matrices; the first rule that matches a leaf applies.
+      ``KNOWN_LAYOUTS`` (Gemma, Flax attention, Equinox) by default; put your
+      own first: ``layouts=(LayoutRule(...), *optax_muon.KNOWN_LAYOUTS)``.
+    heads: attention heads in a layout rule or logical names: ``"whole"``
+      orthogonalizes the whole d_model × heads·head_dim projection (Moonlight,
+      Kimi K2), ``"per_head"`` each head's own matrix.
 
-  With ``Routing(adam_pattern=None, biases=False, layouts=())`` every floating 2-D leaf
-  goes to Muon and every other leaf to AdamW, as in ``optax.contrib.muon``.
+  With ``Routing(adam_pattern=None, biases=False, layouts=())`` every floating
+  2-D leaf goes to Muon and every other leaf to AdamW, as in
+  ``optax.contrib.muon``.
 
   Examples:
     >>> import optax_muon
-    >>> optax_muon.Routing(labels={"w": "muon", "b": "adam"}).adam_pattern is not None
+    >>> routing = optax_muon.Routing(labels={"w": "muon", "b": "adam"})
+    >>> routing.adam_pattern is not None
     True
     >>> optax_muon.Routing(heads="per_head").layouts == optax_muon.KNOWN_LAYOUTS
     True
@@ -157,17 +193,29 @@ class Routing:
   heads: str = "whole"
 
   def __post_init__(self):
-    object.__setattr__(self, "labels", tree_utils.freeze_prefix(
-        self.labels, is_value=_is_label, what="labels"))
+    object.__setattr__(
+        self,
+        "labels",
+        tree_utils.freeze_prefix(
+            self.labels, is_value=_is_label, what="labels"
+        ),
+    )
     if self.adam_pattern is not None and not isinstance(self.adam_pattern, str):
-      raise ValueError(f"Routing.adam_pattern must be a regular expression (str) or None, "
-                       f"got {self.adam_pattern!r}.")
+      raise ValueError(
+          "Routing.adam_pattern must be a regular expression (str) or None, "
+          f"got {self.adam_pattern!r}."
+      )
     if not isinstance(self.biases, bool):
-      raise ValueError(f"Routing.biases must be True or False, got {self.biases!r}.")
+      raise ValueError(
+          f"Routing.biases must be True or False, got {self.biases!r}."
+      )
     if isinstance(self.layouts, LayoutRule) or not all(
-        isinstance(r, LayoutRule) for r in _iterable(self.layouts)):
-      raise ValueError(f"Routing.layouts must be a sequence of optax_muon.LayoutRule, got "
-                       f"{self.layouts!r}.")
+        isinstance(r, LayoutRule) for r in _iterable(self.layouts)
+    ):
+      raise ValueError(
+          "Routing.layouts must be a sequence of optax_muon.LayoutRule, got "
+          f"{self.layouts!r}."
+      )
     object.__setattr__(self, "layouts", tuple(self.layouts))
     check_choice("Routing", "heads", self.heads, HEADS)
 
@@ -183,11 +231,14 @@ def check_option(name: str, value: Any, kind: type, default: Any = None) -> Any:
   """``value``, or ``default`` when it is None.
 
   Raises:
-    ValueError: naming the argument, if ``value`` is neither None nor a ``kind``.
+    ValueError: naming the argument, if ``value`` is neither None nor a
+      ``kind``.
   """
   if value is None:
     return default
   if not isinstance(value, kind):
-    raise ValueError(f"{name} must be an optax_muon.{kind.__name__} or None, got "
-                     f"{type(value).__name__}: {value!r}.")
+    raise ValueError(
+        f"{name} must be an optax_muon.{kind.__name__} or None, got "
+        f"{type(value).__name__}: {value!r}."
+    )
   return value

@@ -1,5 +1,6 @@
-"""How fast a device computes and communicates: the ``CostModel`` (an alpha–beta model of one
-device) and the published profiles of device generations, found from a mesh's devices.
+"""How fast a device computes and communicates: the ``CostModel`` (an alpha–beta
+model of one device) and the published profiles of device generations, found
+from a mesh's devices.
 
 ``optax_muon._src.muon.costs`` counts with them (and re-exports these names).
 """
@@ -20,17 +21,22 @@ class CostModel:
   """How fast one device computes and communicates.
 
   Attributes:
-    flops_per_second: matrix-multiply throughput at the NS compute dtype (for a device
+    flops_per_second: matrix-multiply throughput at the NS compute dtype (for a
+      device
       profile: at bfloat16).
-    bytes_per_second: per-device link bandwidth of a collective (``math.inf``: free).
-    collective_latency: seconds each collective costs before its bytes move (0: none).
-    f32_flops_per_second: the throughput of float32 products at full precision, where it
-      differs (``for_dtype`` picks it); None: ``flops_per_second`` for every dtype.
+    bytes_per_second: per-device link bandwidth of a collective (``math.inf``:
+      free).
+    collective_latency: seconds each collective costs before its bytes move (0:
+      none).
+    f32_flops_per_second: the throughput of float32 products at full precision,
+      where it differs (``for_dtype`` picks it); None: ``flops_per_second`` for
+      every dtype.
     name: what the profile describes (``summarize`` shows it).
     overlap: whether a collective runs while the device computes (asynchronous
-      collectives, as TPUs and GPUs schedule them). Then an exchange may be split into
-      stages that pipeline with Newton–Schulz (``pipelined_seconds``); XLA:CPU runs
-      collectives in line, so its profile says False.
+      collectives, as TPUs and GPUs schedule them). Then an exchange may be
+      split into stages that pipeline with Newton–Schulz
+      (``pipelined_seconds``); XLA:CPU runs collectives in line, so its profile
+      says False.
 
   Examples:
     >>> import math, optax_muon
@@ -50,20 +56,26 @@ class CostModel:
     for name in ("flops_per_second", "bytes_per_second"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"CostModel.{name} must be a positive number (math.inf allowed), got "
-                         f"{value!r}.")
-    if not (isinstance(self.collective_latency, (int, float))
-            and 0 <= self.collective_latency < math.inf):
-      raise ValueError(f"CostModel.collective_latency must be a finite number ≥ 0, got "
-                       f"{self.collective_latency!r}.")
+        raise ValueError(
+            f"CostModel.{name} must be a positive number (math.inf allowed),"
+            f" got {value!r}."
+        )
+    if not (
+        isinstance(self.collective_latency, (int, float))
+        and 0 <= self.collective_latency < math.inf
+    ):
+      raise ValueError(
+          "CostModel.collective_latency must be a finite number ≥ 0, got "
+          f"{self.collective_latency!r}."
+      )
 
   @staticmethod
   def profile(name: str) -> CostModel:
-    """A built-in profile: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (round figures per platform),
-    or a device generation from the vendors' published peak figures (``"tpu_v5e"``,
-    ``"tpu_v5p"``, ``"tpu_v6e"``, ``"a100"``, ``"h100"``, ``"h200"``, ``"b200"``; not
-    measurements). The plan picks one by the mesh's ``device_kind`` when
-    ``ShardingOptions.cost_model`` is None.
+    """A built-in profile: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (round figures per
+    platform), or a device generation from the vendors' published peak figures
+    (``"tpu_v5e"``, ``"tpu_v5p"``, ``"tpu_v6e"``, ``"a100"``, ``"h100"``,
+    ``"h200"``, ``"b200"``; not measurements). The plan picks one by the mesh's
+    ``device_kind`` when ``ShardingOptions.cost_model`` is None.
 
     Raises:
       ValueError: for an unknown name, listing the known ones.
@@ -74,19 +86,26 @@ class CostModel:
       'H100 SXM'
     """
     if name not in PROFILES:
-      raise ValueError(f"unknown cost profile {name!r}; known: {sorted(PROFILES)}.")
+      raise ValueError(
+          f"unknown cost profile {name!r}; known: {sorted(PROFILES)}."
+      )
     return PROFILES[name]
 
   def compute_seconds(self, flops: float) -> float:
     return flops / self.flops_per_second
 
   def for_dtype(self, dtype: Any) -> CostModel:
-    """This model with the throughput of NS products in ``dtype`` (float32 and wider: the
-    full-precision rate where the profile has one; 16-bit: the bfloat16 rate)."""
+    """This model with the throughput of NS products in ``dtype`` (float32 and
+    wider: the full-precision rate where the profile has one; 16-bit: the
+      bfloat16 rate).
+    """
     if self.f32_flops_per_second is None or np.dtype(dtype).itemsize <= 2:
       return self
-    return dataclasses.replace(self, flops_per_second=self.f32_flops_per_second,
-                               f32_flops_per_second=None)
+    return dataclasses.replace(
+        self,
+        flops_per_second=self.f32_flops_per_second,
+        f32_flops_per_second=None,
+    )
 
   def collective_seconds(self, received_bytes: float) -> float:
     """One collective in which a device receives ``received_bytes``."""
@@ -96,69 +115,92 @@ class CostModel:
 
 
 class _ProfileTable(dict):
-  """Named ``CostModel`` profiles. ``"cpu"``, ``"gpu"``, ``"tpu"``: one per platform, round
-  figures of what a large product reaches. The others: one per device generation, from the
-  vendors' published peak figures (dense matrix throughput in bfloat16 and in full float32,
-  link bandwidth per direction), for the devices' ``device_kind``; not measurements. Give
-  your own ``CostModel`` for a measured machine."""
+  """Named ``CostModel`` profiles. ``"cpu"``, ``"gpu"``, ``"tpu"``: one per
+  platform, round
+  figures of what a large product reaches. The others: one per device
+    generation, from the
+  vendors' published peak figures (dense matrix throughput in bfloat16 and in
+  full float32, link bandwidth per direction), for the devices' ``device_kind``;
+  not measurements. Give your own ``CostModel`` for a measured machine."""
 
 
-PROFILES = _ProfileTable({
-    # A server CPU core group: ~1 TFLOP/s f32, collectives through shared memory.
-    "cpu": CostModel(1e12, 20e9, 20e-6, name="cpu", overlap=False),
-    # NVIDIA H100/H200 SXM: ~990 TFLOP/s dense bf16 and ~495 TF32 at peak (400: what a
-    # large matmul reaches), NVLink 450 GB/s per direction.
-    "gpu": CostModel(400e12, 450e9, 10e-6, name="gpu"),
-    # TPU v5p: 459 TFLOP/s bf16; ICI ~600 GB/s per chip over its links (300: one direction).
-    "tpu": CostModel(459e12, 300e9, 5e-6, name="tpu"),
-    # Google Cloud TPU pages (system architecture): v5e 197 TFLOP/s bf16, ICI 1,600 Gbps
-    # per chip; v5p 459 TFLOP/s, 4,800 Gbps; v6e (Trillium) 918 TFLOP/s, 3,584 Gbps. The MXU
-    # multiplies bf16: float32 at HIGHEST precision takes 6 passes (rate / 6).
-    "tpu_v5e": CostModel(197e12, 100e9, 5e-6, 197e12 / 6, "TPU v5e"),
-    "tpu_v5p": CostModel(459e12, 300e9, 5e-6, 459e12 / 6, "TPU v5p"),
-    "tpu_v6e": CostModel(918e12, 224e9, 5e-6, 918e12 / 6, "TPU v6e"),
-    # NVIDIA datasheets: A100 SXM 312 TFLOP/s bf16, 19.5 FP32, NVLink 600 GB/s; H100 and
-    # H200 SXM 989 TFLOP/s bf16 (dense), 67 FP32, NVLink 900 GB/s; B200 2,250 TFLOP/s bf16
-    # (dense), 75 FP32 (HGX B200: 600 for 8), NVLink 1.8 TB/s. Bandwidth: half the
-    # bidirectional figure. FP32 at full precision (no TF32) is what HIGHEST asks for.
-    "a100": CostModel(312e12, 300e9, 10e-6, 19.5e12, "A100 SXM"),
-    "h100": CostModel(989e12, 450e9, 10e-6, 67e12, "H100 SXM"),
-    "h200": CostModel(989e12, 450e9, 10e-6, 67e12, "H200"),
-    "b200": CostModel(2250e12, 900e9, 10e-6, 75e12, "B200"),
-})
+PROFILES = _ProfileTable(
+    {
+        # A server CPU core group: ~1 TFLOP/s f32, collectives through shared
+        # memory.
+        "cpu": CostModel(1e12, 20e9, 20e-6, name="cpu", overlap=False),
+        # NVIDIA H100/H200 SXM: ~990 TFLOP/s dense bf16 and ~495 TF32 at peak
+        # (400: what a large matmul reaches), NVLink 450 GB/s per direction.
+        "gpu": CostModel(400e12, 450e9, 10e-6, name="gpu"),
+        # TPU v5p: 459 TFLOP/s bf16; ICI ~600 GB/s per chip over its links (300:
+        # one direction).
+        "tpu": CostModel(459e12, 300e9, 5e-6, name="tpu"),
+        # Google Cloud TPU pages (system architecture): v5e 197 TFLOP/s bf16,
+        # ICI 1,600 Gbps per chip; v5p 459 TFLOP/s, 4,800 Gbps; v6e (Trillium)
+        # 918 TFLOP/s, 3,584 Gbps. The MXU
+        # multiplies bf16: float32 at HIGHEST precision takes 6 passes (rate /
+        # 6).
+        "tpu_v5e": CostModel(197e12, 100e9, 5e-6, 197e12 / 6, "TPU v5e"),
+        "tpu_v5p": CostModel(459e12, 300e9, 5e-6, 459e12 / 6, "TPU v5p"),
+        "tpu_v6e": CostModel(918e12, 224e9, 5e-6, 918e12 / 6, "TPU v6e"),
+        # NVIDIA datasheets: A100 SXM 312 TFLOP/s bf16, 19.5 FP32, NVLink 600
+        # GB/s; H100 and H200 SXM 989 TFLOP/s bf16 (dense), 67 FP32, NVLink 900
+        # GB/s; B200 2,250 TFLOP/s bf16
+        # (dense), 75 FP32 (HGX B200: 600 for 8), NVLink 1.8 TB/s. Bandwidth:
+        # half the bidirectional figure. FP32 at full precision (no TF32) is
+        # what HIGHEST asks for.
+        "a100": CostModel(312e12, 300e9, 10e-6, 19.5e12, "A100 SXM"),
+        "h100": CostModel(989e12, 450e9, 10e-6, 67e12, "H100 SXM"),
+        "h200": CostModel(989e12, 450e9, 10e-6, 67e12, "H200"),
+        "b200": CostModel(2250e12, 900e9, 10e-6, 75e12, "B200"),
+    }
+)
 
 # device_kind (as JAX reports it) → profile.
-_DEVICE_KINDS = ((r"TPU v5 ?lite|TPU v5e", "tpu_v5e"), (r"TPU v5p?$|TPU v5p", "tpu_v5p"),
-                 (r"TPU v6", "tpu_v6e"), (r"A100", "a100"), (r"H100", "h100"),
-                 (r"H200", "h200"), (r"B200", "b200"))
+_DEVICE_KINDS = (
+    (r"TPU v5 ?lite|TPU v5e", "tpu_v5e"),
+    (r"TPU v5p?$|TPU v5p", "tpu_v5p"),
+    (r"TPU v6", "tpu_v6e"),
+    (r"A100", "a100"),
+    (r"H100", "h100"),
+    (r"H200", "h200"),
+    (r"B200", "b200"),
+)
 
-# Between GPU hosts a collective crosses the network: one 400 Gb/s NIC per GPU (ConnectX-7,
-# as in DGX H100/H200/B200), 50 GB/s per direction; 200 Gb/s (HDR) for A100 systems.
+# Between GPU hosts a collective crosses the network: one 400 Gb/s NIC per GPU
+# (ConnectX-7, as in DGX H100/H200/B200), 50 GB/s per direction; 200 Gb/s (HDR)
+# for A100 systems.
 _GPU_NETWORK_BYTES_PER_SECOND = {"a100": 25e9}
 _DEFAULT_GPU_NETWORK = 50e9
 
 
 def profile_of(devices) -> CostModel:
-  """The profile of ``devices``: by ``device_kind`` where ``PROFILES`` has the generation,
-  else by platform (``"cpu"`` for a platform without one). GPUs on several hosts
-  communicate at the network's bandwidth.
+  """The profile of ``devices``: by ``device_kind`` where ``PROFILES`` has the
+  generation, else by platform (``"cpu"`` for a platform without one). GPUs on
+  several hosts communicate at the network's bandwidth.
 
   Args:
-    devices: devices of a mesh (concrete, or a topology's for ahead-of-time compilation).
+    devices: devices of a mesh (concrete, or a topology's for ahead-of-time
+      compilation).
   """
   devices = list(devices)
   if not devices:
     return PROFILES["cpu"]
   kind = getattr(devices[0], "device_kind", "")
-  name = next((n for pattern, n in _DEVICE_KINDS if re.search(pattern, kind)), None)
+  name = next(
+      (n for pattern, n in _DEVICE_KINDS if re.search(pattern, kind)), None
+  )
   if name is None:
     return PROFILES.get(devices[0].platform, PROFILES["cpu"])
   profile = PROFILES[name]
   hosts = {getattr(d, "process_index", 0) for d in devices}
   if devices[0].platform in ("gpu", "cuda", "rocm") and len(hosts) > 1:
     network = _GPU_NETWORK_BYTES_PER_SECOND.get(name, _DEFAULT_GPU_NETWORK)
-    profile = dataclasses.replace(profile, bytes_per_second=network,
-                                  name=f"{profile.name}, {len(hosts)} hosts")
+    profile = dataclasses.replace(
+        profile,
+        bytes_per_second=network,
+        name=f"{profile.name}, {len(hosts)} hosts",
+    )
   return profile
 
 

@@ -1,14 +1,17 @@
-"""What a transformation tells the tools, and the summary table both optimizers fill.
+"""What a transformation tells the tools, and the summary table both optimizers
+fill.
 
-A matrix optimizer's ``init`` hands a ``Report`` to ``report``; ``summarize`` and
-``diagnostics`` collect it with ``reporting_options`` and read every optimizer through that
-one interface: the shared ``options`` (routing, dimension numbers, shardings) and
-``summarize(params)``, which returns the optimizer's own ``RoutingSummary``. A new optimizer
-adds its own report and table; the tools do not change.
+A matrix optimizer's ``init`` hands a ``Report`` to ``report``; ``summarize``
+and ``diagnostics`` collect it with ``reporting_options`` and read every
+optimizer through that
+one interface: the shared ``options`` (routing, dimension numbers, shardings)
+  and
+``summarize(params)``, which returns the optimizer's own ``RoutingSummary``. A
+new optimizer adds its own report and table; the tools do not change.
 
-The rows and the table's shared columns (path, shape, dtype, optimizer, reason, matrix,
-batch, shape factor, QK-clip role) are made here, by ``leaf_rows``; each optimizer's
-report adds its own figures to them.
+The rows and the table's shared columns (path, shape, dtype, optimizer, reason,
+matrix, batch, shape factor, QK-clip role) are made here, by ``leaf_rows``; each
+optimizer's report adds its own figures to them.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ class Report(Protocol):
   """What a matrix optimizer's ``init`` reports to the tools.
 
   Attributes:
-    options: the static options the spec is made under (its routing, dimension numbers,
-      shardings).
+    options: the static options the spec is made under (its routing, dimension
+      numbers, shardings).
   """
 
   options: TreeOptions
@@ -43,21 +46,29 @@ class Report(Protocol):
 
 
 _REPORTED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "optax_muon_reported_options", default=None)
+    "optax_muon_reported_options", default=None
+)
 
 
 @contextlib.contextmanager
 def reporting_options() -> Iterator[list[Report]]:
-  """Collects the ``Report`` every matrix optimizer's ``init`` makes inside the block.
+  """Collects the ``Report`` every matrix optimizer's ``init`` makes inside the
+  block.
 
-  ``summarize(params, tx)`` traces ``tx.init`` (``jax.eval_shape``) inside this block, so
-  it finds the optimizer wherever ``tx`` holds it: ``optax.chain``, ``optax.partition``,
-  ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite``, an
-  ``nnx.Optimizer``. Nothing simpler reaches it: the caller holds only ``tx``, whose
-  options live in closures; attributes set on a transformation vanish inside those
-  wrappers; and the state could carry them only as a static pytree node, which changes the
-  state's structure and which ``flax.serialization`` (linen ``TrainState`` checkpoints)
-  cannot serialize. Outside the block ``init`` reports to no one: the context variable is
+  ``summarize(params, tx)`` traces ``tx.init`` (``jax.eval_shape``) inside this
+  block, so
+  it finds the optimizer wherever ``tx`` holds it: ``optax.chain``,
+    ``optax.partition``,
+  ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite``,
+  an
+  ``nnx.Optimizer``. Nothing simpler reaches it: the caller holds only ``tx``,
+    whose
+  options live in closures; attributes set on a transformation vanish inside
+  those wrappers; and the state could carry them only as a static pytree node,
+  which changes the state's structure and which ``flax.serialization`` (linen
+  ``TrainState`` checkpoints)
+  cannot serialize. Outside the block ``init`` reports to no one: the context
+    variable is
   set only while a tool asks.
 
   Yields:
@@ -88,8 +99,8 @@ class LeafSummary:
     dtype: its dtype, by name.
     optimizer: ``"muon"`` (the matrix optimizer: Muon or Dion) or ``"adam"``.
     reason: why it was routed there, in words.
-    ns_matrix: the (m, n) matrix the orthogonalization works on (m ≤ n), matrix leaves
-      only.
+    ns_matrix: the (m, n) matrix the orthogonalization works on (m ≤ n), matrix
+      leaves only.
     batch: how many such matrices the leaf holds.
     scale: the shape factor (None when it is a hyperparameter set at run time).
     qk_clip: its QK-clip role and heads (query and key projections only).
@@ -112,9 +123,9 @@ class RoutingSummary:
 
   Attributes:
     rows: one per leaf.
-    notes: footer lines: the options that change the update and the leaves they apply
-      to, and the warnings ``init`` gives for this tree (routing surprises, degenerate
-      matrices).
+    notes: footer lines: the options that change the update and the leaves they
+      apply to, and the warnings ``init`` gives for this tree (routing
+      surprises, degenerate matrices).
   """
 
   rows: tuple[LeafSummary, ...]
@@ -137,34 +148,62 @@ def plural(count: int, one: str, many: str) -> str:
 
 
 def shared_cells(row: LeafSummary, matrix_name: str) -> tuple[str, ...]:
-  """The table cells of the shared columns (``SHARED_HEADER``); ``matrix_name`` is the
-  optimizer's name for matrix leaves."""
-  return (row.path, "×".join(map(str, row.shape)) or "()", row.dtype,
-          matrix_name if row.optimizer == MUON else "AdamW", row.reason,
-          f"{row.ns_matrix[0]}×{row.ns_matrix[1]}" if row.ns_matrix else "",
-          str(row.batch or ""), f"{row.scale:.3g}" if row.scale is not None else "")
+  """The table cells of the shared columns (``SHARED_HEADER``); ``matrix_name``
+  is the optimizer's name for matrix leaves."""
+  return (
+      row.path,
+      "×".join(map(str, row.shape)) or "()",
+      row.dtype,
+      matrix_name if row.optimizer == MUON else "AdamW",
+      row.reason,
+      f"{row.ns_matrix[0]}×{row.ns_matrix[1]}" if row.ns_matrix else "",
+      str(row.batch or ""),
+      f"{row.scale:.3g}" if row.scale is not None else "",
+  )
 
 
 #: The shared columns' headers, for ``shared_cells``.
-SHARED_HEADER = ("path", "shape", "dtype", "optimizer", "reason", "NS matrix", "batch",
-                 "scale")
+SHARED_HEADER = (
+    "path",
+    "shape",
+    "dtype",
+    "optimizer",
+    "reason",
+    "NS matrix",
+    "batch",
+    "scale",
+)
 
 
-def format_table(header: tuple[str, ...], body: list[tuple[str, ...]], footer: str,
-                 notes: tuple[str, ...]) -> str:
+def format_table(
+    header: tuple[str, ...],
+    body: list[tuple[str, ...]],
+    footer: str,
+    notes: tuple[str, ...],
+) -> str:
   """Left-aligned columns under a rule, then the footer and the notes."""
-  widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
-  fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+  widths = [
+      max(len(row[i]) for row in (header, *body)) for i in range(len(header))
+  ]
+  fmt = lambda row: "  ".join(
+      cell.ljust(w) for cell, w in zip(row, widths)
+  ).rstrip()
   rule = "  ".join("-" * w for w in widths)
   return "\n".join([fmt(header), rule, *map(fmt, body), rule, footer, *notes])
 
 
-def leaf_rows(params: Any, spec: TreeSpec) -> list[tuple[LeafSpec, LeafSummary]]:
-  """Each leaf's spec and its row's shared fields, in the order of ``spec.leaves``."""
+def leaf_rows(
+    params: Any, spec: TreeSpec
+) -> list[tuple[LeafSpec, LeafSummary]]:
+  """Each leaf's spec and its row's shared fields, in the order of
+  ``spec.leaves``."""
   options = spec.options
   positions, _ = tree_utils.flatten_positions(params)
-  projections = ([None] * len(positions) if options.qk_clip is None
-                 else resolve_projections(options.qk_clip.heads, params))
+  projections = (
+      [None] * len(positions)
+      if options.qk_clip is None
+      else resolve_projections(options.qk_clip.heads, params)
+  )
   injected = options.consistent_rms == "injected"
   rows = []
   for (_, leaf), leaf_spec, p in zip(positions, spec.leaves, projections):
@@ -173,29 +212,65 @@ def leaf_rows(params: Any, spec: TreeSpec) -> list[tuple[LeafSpec, LeafSummary]]
     r, layout = leaf_spec.route, leaf_spec.layout
     fields = {}
     if layout is not None:
-      fields = dict(ns_matrix=layout.ns_shape, batch=layout.batch, scale=None if injected
-                    else float(scale_factor(layout.n_in, layout.n_out, options.scale,
-                                            consistent_rms=options.consistent_rms)))
-    rows.append((leaf_spec, LeafSummary(
-        path=r.path, shape=tuple(leaf.shape), dtype=str(np.dtype(leaf.dtype)),
-        optimizer=r.optimizer, reason=r.describe(),
-        qk_clip=p.describe() if p is not None else "", **fields)))
+      fields = dict(
+          ns_matrix=layout.ns_shape,
+          batch=layout.batch,
+          scale=None
+          if injected
+          else float(
+              scale_factor(
+                  layout.n_in,
+                  layout.n_out,
+                  options.scale,
+                  consistent_rms=options.consistent_rms,
+              )
+          ),
+      )
+    rows.append(
+        (
+            leaf_spec,
+            LeafSummary(
+                path=r.path,
+                shape=tuple(leaf.shape),
+                dtype=str(np.dtype(leaf.dtype)),
+                optimizer=r.optimizer,
+                reason=r.describe(),
+                qk_clip=p.describe() if p is not None else "",
+                **fields,
+            ),
+        )
+    )
   return rows
 
 
 def option_notes(options: TreeOptions, params: Any) -> tuple[str, ...]:
-  """Footer lines for the shared options that change the update: the injected RMS
-  factor, cautious weight decay and QK-clip (with the projections it applies to)."""
+  """Footer lines for the shared options that change the update: the injected
+  RMS factor, cautious weight decay and QK-clip (with the projections it applies
+  to).
+  """
   notes = []
   if options.consistent_rms == "injected":
-    notes.append("Scale: consistent_rms·√max(n_in, n_out), consistent_rms set at run time.")
+    notes.append(
+        "Scale: consistent_rms·√max(n_in, n_out), consistent_rms set at run"
+        " time."
+    )
   if options.cautious_weight_decay:
-    notes.append("Cautious weight decay: matrix and AdamW leaves are decayed only where "
-                 "the parameter and the update agree in sign.")
+    notes.append(
+        "Cautious weight decay: matrix and AdamW leaves are decayed only where "
+        "the parameter and the update agree in sign."
+    )
   if options.qk_clip is not None:
-    roles = [p.role for p in resolve_projections(options.qk_clip.heads, params)
-             if p is not None]
-    notes.append(f"QK-clip (τ = {options.qk_clip.threshold:g}, α = {options.qk_clip.alpha:g}) "
-                 "on " + ", ".join(f"{roles.count(role)} {role}" for role in ROLES
-                                   if role in roles) + " projections.")
+    roles = [
+        p.role
+        for p in resolve_projections(options.qk_clip.heads, params)
+        if p is not None
+    ]
+    notes.append(
+        f"QK-clip (τ = {options.qk_clip.threshold:g}, α ="
+        f" {options.qk_clip.alpha:g}) on "
+        + ", ".join(
+            f"{roles.count(role)} {role}" for role in ROLES if role in roles
+        )
+        + " projections."
+    )
   return tuple(notes)

@@ -1,4 +1,5 @@
-"""Leaf paths, frozen prefix trees, and broadcasting with errors that name the leaf path."""
+"""Leaf paths, frozen prefix trees, and broadcasting with errors that name the
+leaf path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import optax
 
 
 def _is_wrapper_key(key: Any) -> bool:
-  """The ``.value`` step into a Flax ``nnx.Variable`` or a linen ``Partitioned`` box."""
+  """The ``.value`` step into a Flax ``nnx.Variable`` or a linen ``Partitioned``
+  box."""
   return isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value"
 
 
@@ -25,16 +27,18 @@ def _key_value(key: Any) -> Any:
 def canonical_path(path) -> tuple:
   """A key path as plain values, without the ``.value`` steps of Flax wrappers.
 
-  So ``nnx.State`` trees (with or without ``nnx.Variable`` wrappers), linen's boxed
-  params and pure dicts of the same model name their leaves alike: ``('blocks', 0, 'k',
+  So ``nnx.State`` trees (with or without ``nnx.Variable`` wrappers), linen's
+  boxed
+  params and pure dicts of the same model name their leaves alike: ``('blocks',
+    0, 'k',
   'kernel')``, whether 0 came from a list, a dict or an ``nnx.List``.
   """
   return tuple(_key_value(k) for k in path if not _is_wrapper_key(k))
 
 
 def path_str(path) -> str:
-  """``('layers', 0, 'kernel')``-style key path → ``"layers/0/kernel"`` (Flax's ``.value``
-  steps left out)."""
+  """``('layers', 0, 'kernel')``-style key path → ``"layers/0/kernel"`` (Flax's
+  ``.value`` steps left out)."""
   return "/".join(str(k) for k in canonical_path(path)) or "<root>"
 
 
@@ -45,8 +49,10 @@ def is_placeholder(x: Any) -> bool:
 
 def is_flax_variable(x: Any) -> bool:
   """Whether ``x`` is an ``nnx.Variable`` (without importing Flax)."""
-  return any(c.__module__.startswith("flax.") and c.__name__ == "Variable"
-             for c in type(x).__mro__)
+  return any(
+      c.__module__.startswith("flax.") and c.__name__ == "Variable"
+      for c in type(x).__mro__
+  )
 
 
 def flatten_positions(tree: Any):
@@ -63,8 +69,9 @@ def is_array_leaf(x: Any) -> bool:
 
 
 def check_same_shapes(updates: Any, reference: Any, what: str) -> None:
-  """Raises a ValueError naming the leaf where ``updates`` and ``reference`` (the params, or
-  state made from them) differ in shape; placeholders on either side are skipped.
+  """Raises a ValueError naming the leaf where ``updates`` and ``reference``
+  (the params, or state made from them) differ in shape; placeholders on either
+  side are skipped.
 
   Raises:
     ValueError: for a shape mismatch, or trees with different numbers of leaves.
@@ -72,15 +79,19 @@ def check_same_shapes(updates: Any, reference: Any, what: str) -> None:
   ours, _ = flatten_positions(updates)
   theirs, _ = flatten_positions(reference)
   if len(ours) != len(theirs):
-    raise ValueError(f"the updates have {len(ours)} leaves and {what} {len(theirs)}: pass "
-                     "gradients of the tree the optimizer was initialized with.")
+    raise ValueError(
+        f"the updates have {len(ours)} leaves and {what} {len(theirs)}: pass "
+        "gradients of the tree the optimizer was initialized with."
+    )
   for (path, u), (_, r) in zip(ours, theirs):
     if is_placeholder(u) or is_placeholder(r) or not hasattr(r, "shape"):
       continue
     if tuple(u.shape) != tuple(r.shape):
-      raise ValueError(f"the update of leaf '{path_str(path)}' has shape {tuple(u.shape)}, "
-                       f"{what} {tuple(r.shape)}: pass gradients of the tree the optimizer "
-                       "was initialized with.")
+      raise ValueError(
+          f"the update of leaf '{path_str(path)}' has shape {tuple(u.shape)}, "
+          f"{what} {tuple(r.shape)}: pass gradients of the tree the optimizer "
+          "was initialized with."
+      )
 
 
 def _child(node: Any, key: Any) -> Any:
@@ -94,8 +105,9 @@ def _child(node: Any, key: Any) -> Any:
 
 
 def owner_classes(tree: Any) -> list[tuple[str, ...]]:
-  """Per position of ``flatten_positions(tree)``, the classes of the object that holds the
-  leaf (``"module.QualName"``, the whole MRO), or () where the path cannot be followed.
+  """Per position of ``flatten_positions(tree)``, the classes of the object that
+  holds the leaf (``"module.QualName"``, the whole MRO), or () where the path
+  cannot be followed.
 
   For trees of module objects (Equinox): the layer a weight belongs to.
   """
@@ -109,22 +121,27 @@ def owner_classes(tree: Any) -> list[tuple[str, ...]]:
     except (LookupError, AttributeError, TypeError):
       owners.append(())
       continue
-    owners.append(tuple(f"{c.__module__}.{c.__qualname__}" for c in type(node).__mro__))
+    owners.append(
+        tuple(f"{c.__module__}.{c.__qualname__}" for c in type(node).__mro__)
+    )
   return owners
 
 
 def listing(paths: list[str], limit: int = 6) -> str:
   shown = ", ".join(f"'{p}'" for p in paths[:limit])
-  return f"[{shown}{', ...' if len(paths) > limit else ''}] ({len(paths)} in all)"
+  return (
+      f"[{shown}{', ...' if len(paths) > limit else ''}] ({len(paths)} in all)"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class FrozenPrefix:
-  """A user's tree, prefix tree or single value, frozen: hashable, compared by value.
+  """A user's tree, prefix tree or single value, frozen: hashable, compared by
+  value.
 
-  Entries are keyed by ``canonical_path``, so the tree it came from may be a pure dict, an
-  ``nnx.State`` or a tree of Flax variables or boxes; ``broadcast_prefix`` matches it to
-  any of these.
+  Entries are keyed by ``canonical_path``, so the tree it came from may be a
+  pure dict, an ``nnx.State`` or a tree of Flax variables or boxes;
+  ``broadcast_prefix`` matches it to any of these.
 
   Attributes:
     what: the argument's name, for error messages.
@@ -136,24 +153,32 @@ class FrozenPrefix:
 
 
 def _hashable(value: Any, path: str, what: str) -> Any:
-  """``value`` with list fields of a NamedTuple made tuples; raises if still unhashable."""
+  """``value`` with list fields of a NamedTuple made tuples; raises if still
+  unhashable."""
   if isinstance(value, tuple) and hasattr(value, "_fields"):
-    value = type(value)(*(tuple(f) if isinstance(f, list) else f for f in value))
+    value = type(value)(
+        *(tuple(f) if isinstance(f, list) else f for f in value)
+    )
   try:
     hash(value)
   except TypeError:
-    raise ValueError(f"{what}: the entry at '{path}' ({value!r}) is not hashable; pass "
-                     "plain values (numbers, strings, tuples, shardings).") from None
+    raise ValueError(
+        f"{what}: the entry at '{path}' ({value!r}) is not hashable; pass "
+        "plain values (numbers, strings, tuples, shardings)."
+    ) from None
   return value
 
 
-def freeze_prefix(prefix: Any, *, is_value: Callable[[Any], bool], what: str
-                  ) -> FrozenPrefix | Callable | None:
-  """A per-leaf argument in the form options keep: frozen, or a callable kept as it is.
+def freeze_prefix(
+    prefix: Any, *, is_value: Callable[[Any], bool], what: str
+) -> FrozenPrefix | Callable | None:
+  """A per-leaf argument in the form options keep: frozen, or a callable kept as
+  it is.
 
   Args:
-    prefix: None, a single value, a tree or prefix tree of values (None or MaskedNode
-      entries read as None), a callable ``params -> such a tree``, or a ``FrozenPrefix``.
+    prefix: None, a single value, a tree or prefix tree of values (None or
+      MaskedNode entries read as None), a callable ``params -> such a tree``, or
+      a ``FrozenPrefix``.
     is_value: which objects are values rather than containers.
     what: the argument's name, for error messages.
 
@@ -168,14 +193,29 @@ def freeze_prefix(prefix: Any, *, is_value: Callable[[Any], bool], what: str
   if callable(prefix) and not is_value(prefix):
     return prefix
   entries, _ = jax.tree_util.tree_flatten_with_path(
-      prefix, is_leaf=lambda x: is_placeholder(x) or is_value(x))
-  return FrozenPrefix(what, tuple(
-      (canonical_path(path), None if is_placeholder(value)
-       else _hashable(value, path_str(path), what)) for path, value in entries))
+      prefix, is_leaf=lambda x: is_placeholder(x) or is_value(x)
+  )
+  return FrozenPrefix(
+      what,
+      tuple(
+          (
+              canonical_path(path),
+              None
+              if is_placeholder(value)
+              else _hashable(value, path_str(path), what),
+          )
+          for path, value in entries
+      ),
+  )
 
 
-def resolve_prefix(prefix: FrozenPrefix | Callable | None, tree: Any, *,
-                   is_value: Callable[[Any], bool], what: str) -> list[Any]:
+def resolve_prefix(
+    prefix: FrozenPrefix | Callable | None,
+    tree: Any,
+    *,
+    is_value: Callable[[Any], bool],
+    what: str,
+) -> list[Any]:
   """One value (or None) per position of ``flatten_positions(tree)``.
 
   Args:
@@ -197,7 +237,8 @@ def resolve_prefix(prefix: FrozenPrefix | Callable | None, tree: Any, *,
 
 
 def broadcast_prefix(prefix: FrozenPrefix, tree: Any) -> list[Any]:
-  """Gives every position of ``tree`` the value of the ``prefix`` entry above it.
+  """Gives every position of ``tree`` the value of the ``prefix`` entry above
+  it.
 
   Args:
     prefix: the frozen prefix tree; a single value stands for the whole tree.
@@ -207,16 +248,21 @@ def broadcast_prefix(prefix: FrozenPrefix, tree: Any) -> list[Any]:
     One value per position of ``flatten_positions(tree)``, in that order.
 
   Raises:
-    ValueError: if a position has no entry above it, or an entry matches no position; the
-      message names the leaf and lists the params' and the argument's paths side by side.
+    ValueError: if a position has no entry above it, or an entry matches no
+      position; the message names the leaf and lists the params' and the
+      argument's paths side by side.
   """
   what = prefix.what
   by_path = dict(prefix.entries)
   positions, _ = flatten_positions(tree)
   leaf_paths = [canonical_path(path) for path, _ in positions]
-  show = lambda paths: listing(["/".join(map(str, p)) or "<root>" for p in paths])
-  side_by_side = (f" The params have leaves {show(leaf_paths)}; {what} has entries "
-                  f"{show(list(by_path))}.")
+  show = lambda paths: listing(
+      ["/".join(map(str, p)) or "<root>" for p in paths]
+  )
+  side_by_side = (
+      f" The params have leaves {show(leaf_paths)}; {what} has entries "
+      f"{show(list(by_path))}."
+  )
   used, values = set(), []
   for path in leaf_paths:
     for i in range(len(path), -1, -1):
@@ -226,16 +272,22 @@ def broadcast_prefix(prefix: FrozenPrefix, tree: Any) -> list[Any]:
         break
     else:
       name = "/".join(map(str, path)) or "<root>"
-      deeper = [p for p in by_path if p[:len(path)] == path]
+      deeper = [p for p in by_path if p[: len(path)] == path]
       if deeper:
-        raise ValueError(f"{what} does not match the params: at leaf '{name}' it has a "
-                         f"container (entries such as '{'/'.join(map(str, deeper[0]))}') "
-                         f"instead of a single entry.{side_by_side}")
-      raise ValueError(f"{what} does not match the params: no entry for leaf '{name}'. "
-                       f"Pass a tree (or prefix tree) of the params' structure."
-                       f"{side_by_side}")
+        raise ValueError(
+            f"{what} does not match the params: at leaf '{name}' it has a "
+            f"container (entries such as '{'/'.join(map(str, deeper[0]))}') "
+            f"instead of a single entry.{side_by_side}"
+        )
+      raise ValueError(
+          f"{what} does not match the params: no entry for leaf '{name}'. "
+          "Pass a tree (or prefix tree) of the params' structure."
+          f"{side_by_side}"
+      )
   unused = ["/".join(map(str, p)) for p in by_path if p not in used]
   if unused:
-    raise ValueError(f"{what} does not match the params: entries {unused} name no leaf "
-                     f"of the params.{side_by_side}")
+    raise ValueError(
+        f"{what} does not match the params: entries {unused} name no leaf "
+        f"of the params.{side_by_side}"
+    )
   return values

@@ -1,5 +1,7 @@
-"""Warnings that point at the user's line: the first frame outside this package and the
-libraries it runs inside (optax, JAX, Flax, Equinox), whatever wraps the transformation."""
+"""Warnings that point at the user's line: the first frame outside this package
+and the libraries it runs inside (optax, JAX, Flax, Equinox), whatever wraps the
+transformation.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +10,21 @@ import os
 import sys
 import warnings
 
-_LIBRARIES = ("optax_muon", "optax", "jax", "jaxlib", "flax", "equinox", "orbax", "chex")
+_LIBRARIES = (
+    "optax_muon",
+    "optax",
+    "jax",
+    "jaxlib",
+    "flax",
+    "equinox",
+    "orbax",
+    "chex",
+)
 
 
 def _library_files() -> tuple[str, ...]:
-  """Path prefixes of the libraries' files (and of ``contextlib``, whose frames sit between
-  a ``with`` block and the code it wraps)."""
+  """Path prefixes of the libraries' files (and of ``contextlib``, whose frames
+  sit between a ``with`` block and the code it wraps)."""
   prefixes = [os.path.abspath(contextlib.__file__)]
   for name in _LIBRARIES:
     path = getattr(sys.modules.get(name), "__file__", None)
@@ -23,11 +34,14 @@ def _library_files() -> tuple[str, ...]:
 
 
 def _user_stacklevel() -> int:
-  """The ``stacklevel`` of the first caller outside the libraries, counted from the caller
-  of ``warn_at_caller``."""
+  """The ``stacklevel`` of the first caller outside the libraries, counted from
+  the caller of ``warn_at_caller``."""
   prefixes = _library_files()
-  frame, level = sys._getframe(2), 2  # noqa: SLF001  (2: the caller of warn_at_caller)
-  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(prefixes):
+  # 2: the caller of warn_at_caller.
+  frame, level = sys._getframe(2), 2  # noqa: SLF001
+  while frame is not None and os.path.abspath(
+      frame.f_code.co_filename
+  ).startswith(prefixes):
     frame, level = frame.f_back, level + 1
   return level if frame is not None else 2
 
@@ -38,7 +52,8 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 class OncePerTransformation:
-  """Remembers what one transformation has said, so that each warning is issued once."""
+  """Remembers what one transformation has said, so that each warning is issued
+  once."""
 
   def __init__(self):
     self._said: set[str] = set()

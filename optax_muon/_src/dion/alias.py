@@ -1,5 +1,7 @@
-"""``dion``: the full optimizer, Dion on the matrices and AdamW (NAdamW) on the rest, routed,
-shape-scaled and decayed exactly as ``muon`` (``core.assembly.matrices_and_adam``)."""
+"""``dion``: the full optimizer, Dion on the matrices and AdamW (NAdamW) on the
+rest, routed, shape-scaled and decayed exactly as ``muon``
+(``core.assembly.matrices_and_adam``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import jax
 import optax
 
 from optax_muon._src.core import tree_utils
-from optax_muon._src.core.assembly import AdamBranch, check_alias_arguments, matrices_and_adam
+from optax_muon._src.core.assembly import (
+    AdamBranch,
+    check_alias_arguments,
+    matrices_and_adam,
+)
 from optax_muon._src.core.matrices import is_dimension_numbers
 from optax_muon._src.core.options import Routing, check_number, check_option
 from optax_muon._src.core.qk_clipping import QKClip
@@ -47,36 +53,41 @@ def dion(
     product_dtype: jax.typing.DTypeLike | None = None,
     power_iterations: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
-  """Dion for the network's matrices, AdamW (NAdamW with ``nesterov``) for the rest.
+  """Dion for the network's matrices, AdamW (NAdamW with ``nesterov``) for the
+  rest.
 
-  Routed, shape-scaled and decayed exactly as ``muon`` (the same arguments mean the same
-  things): only the matrices' direction differs, ``scale_by_dion``'s instead of Newton–
+  Routed, shape-scaled and decayed exactly as ``muon`` (the same arguments mean
+  the same
+  things): only the matrices' direction differs, ``scale_by_dion``'s instead of
+    Newton–
   Schulz's. Muon leaves: W ← W − η·(scale(n_in, n_out)·P·Qᵀ + λ·W).
 
   Args:
-    learning_rate: the matrices' learning rate η, a scalar or an ``optax.Schedule``.
+    learning_rate: the matrices' learning rate η, a scalar or an
+      ``optax.Schedule``.
     rank_fraction: see ``scale_by_dion``.
     beta: μ, Dion's momentum decay, in [0, 1).
     eps: AdamW's epsilon (``None``: 1e-8).
     weight_decay, weight_decay_mask: λ for the matrices, and which are decayed.
-    mu_dtype: AdamW's first moment's dtype (Dion's state is float32, float64 for float64
-      params).
-    nesterov: NAdamW rather than AdamW on the other leaves (Dion's momentum has no
-      look-ahead).
+    mu_dtype: AdamW's first moment's dtype (Dion's state is float32, float64 for
+      float64 params).
+    nesterov: NAdamW rather than AdamW on the other leaves (Dion's momentum has
+      no look-ahead).
     adam_b1, adam_b2, adam_eps_root, adam_weight_decay: AdamW's, as in ``muon``.
     adam_learning_rate, adam_weight_decay_mask: as in ``muon``.
-    muon_weight_dimension_numbers, consistent_rms, scale, routing: as in ``muon``.
+    muon_weight_dimension_numbers, consistent_rms, scale, routing: as in
+      ``muon``.
     param_shardings, cautious_weight_decay, qk_clip: as in ``muon``.
     oversample, seed, product_dtype, power_iterations: see ``scale_by_dion``.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose matrix branch's state is a
-    ``DionState``.
+    An ``optax.GradientTransformationExtraArgs`` whose matrix branch's state is
+    a ``DionState``.
 
   Raises:
-    ValueError: for invalid options (naming the argument), and at ``init`` for routing
-      trees that don't match the params, complex matrices or rank fractions out of range
-      (naming the leaf).
+    ValueError: for invalid options (naming the argument), and at ``init`` for
+      routing trees that don't match the params, complex matrices or rank
+      fractions out of range (naming the leaf).
 
   Examples:
     >>> import jax.numpy as jnp, optax_muon
@@ -84,7 +95,8 @@ def dion(
     ...           "b": jnp.zeros(16)}
     >>> tx = optax_muon.dion(0.02, rank_fraction=0.25, adam_learning_rate=3e-3)
     >>> state = tx.init(params)
-    >>> state.inner_states["muon"].inner_state[0].q["w"].shape  # Q: 16 × r, r = 4
+    >>> # Q: 16 × r, r = 4
+    >>> state.inner_states["muon"].inner_state[0].q["w"].shape
     (16, 4)
 
   References:
@@ -93,27 +105,53 @@ def dion(
   """
   check_number("beta", beta, 0.0, 1.0)
   check_number("oversample", oversample, 1.0)
-  check_alias_arguments(learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
-                        adam_b1=adam_b1, adam_b2=adam_b2, weight_decay=weight_decay,
-                        adam_weight_decay=adam_weight_decay, scale=scale,
-                        consistent_rms=consistent_rms)
+  check_alias_arguments(
+      learning_rate=learning_rate,
+      adam_learning_rate=adam_learning_rate,
+      adam_b1=adam_b1,
+      adam_b2=adam_b2,
+      weight_decay=weight_decay,
+      adam_weight_decay=adam_weight_decay,
+      scale=scale,
+      consistent_rms=consistent_rms,
+  )
   options = TreeOptions(
       weight_dimension_numbers=tree_utils.freeze_prefix(
-          muon_weight_dimension_numbers, is_value=is_dimension_numbers,
-          what="muon_weight_dimension_numbers"),
+          muon_weight_dimension_numbers,
+          is_value=is_dimension_numbers,
+          what="muon_weight_dimension_numbers",
+      ),
       param_shardings=param_shardings,
-      routing=check_option("routing", routing, Routing, Routing()), scale=scale,
+      routing=check_option("routing", routing, Routing, Routing()),
+      scale=scale,
       consistent_rms=static_or_injected(consistent_rms),
       cautious_weight_decay=cautious_weight_decay,
-      qk_clip=check_option("qk_clip", qk_clip, QKClip))
-  direction = dion_direction(make_settings(options, rank_fraction, oversample, product_dtype,
-                                       power_iterations), beta, seed)
+      qk_clip=check_option("qk_clip", qk_clip, QKClip),
+  )
+  direction = dion_direction(
+      make_settings(
+          options, rank_fraction, oversample, product_dtype, power_iterations
+      ),
+      beta,
+      seed,
+  )
   return matrices_and_adam(
-      direction, options, learning_rate=learning_rate, consistent_rms=consistent_rms,
-      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
-      adam=AdamBranch(learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
-                      eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-                      weight_decay_mask=adam_weight_decay_mask, mu_dtype=mu_dtype,
-                      nesterov=nesterov),
-      keep=DionState)
-
+      direction,
+      options,
+      learning_rate=learning_rate,
+      consistent_rms=consistent_rms,
+      weight_decay=weight_decay,
+      weight_decay_mask=weight_decay_mask,
+      adam=AdamBranch(
+          learning_rate=adam_learning_rate,
+          b1=adam_b1,
+          b2=adam_b2,
+          eps=eps,
+          eps_root=adam_eps_root,
+          weight_decay=adam_weight_decay,
+          weight_decay_mask=adam_weight_decay_mask,
+          mu_dtype=mu_dtype,
+          nesterov=nesterov,
+      ),
+      keep=DionState,
+  )

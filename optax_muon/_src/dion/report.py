@@ -1,6 +1,7 @@
-"""Dion's routing summary: per matrix leaf its rank, FLOPs, received bytes and modelled
-time per device (``dion.costs``), beside the bytes a whole-matrix exchange would move for
-it; the ``Report`` that ``scale_by_dion`` and ``dion`` hand to the tools."""
+"""Dion's routing summary: per matrix leaf its rank, FLOPs, received bytes and
+modelled time per device (``dion.costs``), beside the bytes a whole-matrix
+exchange would move for it; the ``Report`` that ``scale_by_dion`` and ``dion``
+hand to the tools."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import numpy as np
 
 from optax_muon._src.core import profiles
 from optax_muon._src.core.dtypes import moment_dtype
-from optax_muon._src.core.reporting import (SHARED_HEADER, LeafSummary, RoutingSummary,
-                                            format_table, leaf_rows, option_notes, plural,
-                                            shared_cells)
+from optax_muon._src.core.reporting import (
+    SHARED_HEADER,
+    LeafSummary,
+    RoutingSummary,
+    format_table,
+    leaf_rows,
+    option_notes,
+    plural,
+    shared_cells,
+)
 from optax_muon._src.core.routing import ADAM, MUON
 from optax_muon._src.core.spec import tree_spec
 from optax_muon._src.dion.costs import dion_cost, step_seconds
@@ -23,7 +31,8 @@ from optax_muon._src.dion.settings import DionSettings
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DionLeafSummary(LeafSummary):
-  """One row of Dion's summary: the shared fields and Dion's own (matrix leaves only).
+  """One row of Dion's summary: the shared fields and Dion's own (matrix leaves
+  only).
 
   Attributes:
     rank: Dion's rank r.
@@ -32,8 +41,9 @@ class DionLeafSummary(LeafSummary):
       collectives, ring model).
     seconds: Dion's modelled time for this leaf on one device (cost model of
       ``DionSummary.cost_model``).
-    exchange_bytes: the bytes a whole-matrix exchange of the leaf's momentum (Muon's: each
-      matrix to the device that orthogonalizes it and back) moves per step, all devices
+    exchange_bytes: the bytes a whole-matrix exchange of the leaf's momentum
+      (Muon's: each matrix to the device that orthogonalizes it and back) moves
+        per step, all devices
       together; 0 for an unsharded leaf.
   """
 
@@ -50,8 +60,9 @@ class DionSummary(RoutingSummary):
 
   Attributes:
     cost_model: the model the times come from (its ``name`` says which profile).
-    step_seconds: Dion's modelled step time on one device (``dion.costs.step_seconds``:
-      each kind of collective combined over the leaves).
+    step_seconds: Dion's modelled step time on one device
+      (``dion.costs.step_seconds``: each kind of collective combined over the
+        leaves).
 
   and every attribute of ``RoutingSummary``.
   """
@@ -61,24 +72,44 @@ class DionSummary(RoutingSummary):
 
   def table(self) -> str:
     sharded = any(r.exchange_bytes for r in self.by_optimizer(MUON))
-    header = SHARED_HEADER + ("r", "GFLOP/device", "MB/device", "ms (model)", "exchange MB")
+    header = SHARED_HEADER + (
+        "r",
+        "GFLOP/device",
+        "MB/device",
+        "ms (model)",
+        "exchange MB",
+    )
     mb = lambda x: f"{x / 1e6:.3g}" if x is not None else ""
-    body = [shared_cells(r, "Dion") + (
-        str(r.rank or ""),
-        f"{r.flops_per_device / 1e9:.3g}" if r.flops_per_device is not None else "",
-        mb(r.received_bytes), f"{r.seconds * 1e3:.3g}" if r.seconds is not None else "",
-        mb(r.exchange_bytes)) for r in self.rows]
+    body = [
+        shared_cells(r, "Dion")
+        + (
+            str(r.rank or ""),
+            f"{r.flops_per_device / 1e9:.3g}"
+            if r.flops_per_device is not None
+            else "",
+            mb(r.received_bytes),
+            f"{r.seconds * 1e3:.3g}" if r.seconds is not None else "",
+            mb(r.exchange_bytes),
+        )
+        for r in self.rows
+    ]
     dion = self.by_optimizer(MUON)
-    footer = (f"{plural(len(dion), 'leaf', 'leaves')} on Dion, "
-              f"{len(self.by_optimizer(ADAM))} on AdamW. Dion per step on each device: "
-              f"{sum(r.flops_per_device for r in dion) / 1e9:.3g} GFLOP, receives "
-              f"{sum(r.received_bytes for r in dion) / 1e6:.3g} MB, modelled "
-              f"{self.step_seconds * 1e3:.3g} ms (each kind of collective combined over "
-              f"the leaves; cost profile: {self.cost_model.name or 'given'}).\n"
-              "MB/device: what one device receives for the leaf (ring model)")
+    footer = (
+        f"{plural(len(dion), 'leaf', 'leaves')} on Dion,"
+        f" {len(self.by_optimizer(ADAM))} on AdamW. Dion per step on each"
+        f" device: {sum(r.flops_per_device for r in dion) / 1e9:.3g} GFLOP,"
+        f" receives {sum(r.received_bytes for r in dion) / 1e6:.3g} MB,"
+        f" modelled {self.step_seconds * 1e3:.3g} ms (each kind of collective"
+        " combined over the leaves; cost profile:"
+        f" {self.cost_model.name or 'given'}).\nMB/device: what one device"
+        " receives for the leaf (ring model)"
+    )
     if sharded:
-      footer += ("; exchange MB: what a whole-matrix exchange (Muon's) moves for it, all "
-                 "devices together (summarize muon with the same arguments for its plan)")
+      footer += (
+          "; exchange MB: what a whole-matrix exchange (Muon's) moves for it,"
+          " all devices together (summarize muon with the same arguments for"
+          " its plan)"
+      )
     else:
       header, body = header[:-1], [row[:-1] for row in body]
     return format_table(header, body, footer + ".", self.notes)
@@ -105,7 +136,8 @@ class DionReport:
     spec = tree_spec(params, settings.options)
     matrices = dict(zip(spec.muon_positions, settings.matrices(spec, params)))
     base = settings.options.sharding.cost_model or profiles.default_cost_model(
-        profiles.mesh_devices(spec.mesh))
+        profiles.mesh_devices(spec.mesh)
+    )
     model = base.for_dtype(settings.product_dtype or np.float32)
     positions = [i for i, leaf in enumerate(spec.leaves) if leaf is not None]
     rows, leaf_costs = [], []
@@ -115,13 +147,26 @@ class DionReport:
         itemsize = np.dtype(moment_dtype(leaf.dtype)).itemsize
         cost = dion_cost(matrices[i], itemsize)
         leaf_costs.append(cost)
-        shards = (math.prod(leaf.sharding.shards(d) for d in range(len(leaf.shape)))
-                  if leaf.sharding is not None else 1)
-        fields = dict(rank=matrices[i].rank, flops_per_device=cost.flops,
-                      received_bytes=cost.received_bytes, seconds=cost.seconds(model),
-                      exchange_bytes=2 * math.prod(leaf.shape) * itemsize
-                      * (shards - 1) / shards)
+        shards = (
+            math.prod(leaf.sharding.shards(d) for d in range(len(leaf.shape)))
+            if leaf.sharding is not None
+            else 1
+        )
+        fields = dict(
+            rank=matrices[i].rank,
+            flops_per_device=cost.flops,
+            received_bytes=cost.received_bytes,
+            seconds=cost.seconds(model),
+            exchange_bytes=2
+            * math.prod(leaf.shape)
+            * itemsize
+            * (shards - 1)
+            / shards,
+        )
       rows.append(DionLeafSummary(**vars(row), **fields))
-    return DionSummary(rows=tuple(rows), notes=option_notes(settings.options, params)
-                       + spec.notices, cost_model=model,
-                       step_seconds=step_seconds(leaf_costs, model))
+    return DionSummary(
+        rows=tuple(rows),
+        notes=option_notes(settings.options, params) + spec.notices,
+        cost_model=model,
+        step_seconds=step_seconds(leaf_costs, model),
+    )

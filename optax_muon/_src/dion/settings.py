@@ -1,5 +1,5 @@
-"""Dion's static options (``DionSettings``): the options shared with Muon and Dion's own,
-checked once; and each matrix leaf's ``DionMatrix`` under them."""
+"""Dion's static options (``DionSettings``): the options shared with Muon and
+Dion's own, checked once; and each matrix leaf's ``DionMatrix`` under them."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from optax_muon._src.dion.step import OVERSAMPLE, DionMatrix, rank_of
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DionSettings:
-  """The static options of one Dion transformation: those shared with Muon, and Dion's own.
+  """The static options of one Dion transformation: those shared with Muon, and
+  Dion's own.
 
   Attributes:
-    options: the routing, dimension numbers, shardings and the other options shared with
-      ``muon``.
+    options: the routing, dimension numbers, shardings and the other options
+      shared with ``muon``.
     rank_fraction: the frozen per-leaf rank fractions.
     oversample: sketch rows per unit of rank.
     product_dtype: the dtype of the large products' operands, or None.
@@ -34,8 +35,14 @@ class DionSettings:
 
   def matrices(self, spec: TreeSpec, tree: Any) -> list[DionMatrix]:
     """Each Muon leaf's ``DionMatrix`` (``spec`` built from ``options``)."""
-    return _matrices(spec, tree, self.rank_fraction, self.oversample, self.product_dtype,
-                     self.power_iterations)
+    return _matrices(
+        spec,
+        tree,
+        self.rank_fraction,
+        self.oversample,
+        self.product_dtype,
+        self.power_iterations,
+    )
 
 
 def _is_fraction(x: Any) -> bool:
@@ -44,44 +51,76 @@ def _is_fraction(x: Any) -> bool:
 
 def _check_fraction(value: Any, where: str) -> None:
   if not _is_fraction(value) or not 0 < value <= 1:
-    raise ValueError(f"{where}: rank_fraction must be a number in (0, 1], got {value!r}.")
+    raise ValueError(
+        f"{where}: rank_fraction must be a number in (0, 1], got {value!r}."
+    )
 
 
-def _matrices(spec: TreeSpec, tree: Any, rank_fraction: Any, oversample: float,
-              product_dtype: Any = None, power_iterations: int = 1) -> list[DionMatrix]:
+def _matrices(
+    spec: TreeSpec,
+    tree: Any,
+    rank_fraction: Any,
+    oversample: float,
+    product_dtype: Any = None,
+    power_iterations: int = 1,
+) -> list[DionMatrix]:
   """Each Muon leaf's ``DionMatrix``, its rank from ``rank_fraction``.
 
   Raises:
-    ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the leaf.
+    ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the
+      leaf.
   """
-  if not spec.muon_positions:  # nothing to resolve a fraction for (an empty tree too)
+  if (
+      not spec.muon_positions
+  ):  # nothing to resolve a fraction for (an empty tree too)
     return []
-  fractions = tree_utils.resolve_prefix(rank_fraction, tree, is_value=_is_fraction,
-                                        what="rank_fraction")
+  fractions = tree_utils.resolve_prefix(
+      rank_fraction, tree, is_value=_is_fraction, what="rank_fraction"
+  )
   out = []
   for i in spec.muon_positions:
     leaf = spec.leaves[i]
     if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-      raise ValueError(f"{leaf.path}: Dion takes real matrices; got dtype {leaf.dtype} "
-                       f"(shape {leaf.shape}). Route it to AdamW with `labels`.")
+      raise ValueError(
+          f"{leaf.path}: Dion takes real matrices; got dtype {leaf.dtype} "
+          f"(shape {leaf.shape}). Route it to AdamW with `labels`."
+      )
     fraction = 1.0 if fractions[i] is None else fractions[i]
     _check_fraction(fraction, leaf.path)
-    out.append(DionMatrix.of(leaf.layout, leaf.sharding, rank_of(fraction, leaf.layout),
-                             oversample=oversample, manual=spec.manual,
-                             product_dtype=product_dtype, power_iterations=power_iterations))
+    out.append(
+        DionMatrix.of(
+            leaf.layout,
+            leaf.sharding,
+            rank_of(fraction, leaf.layout),
+            oversample=oversample,
+            manual=spec.manual,
+            product_dtype=product_dtype,
+            power_iterations=power_iterations,
+        )
+    )
   return out
 
 
-def make_settings(options: TreeOptions, rank_fraction: Any, oversample: float, product_dtype: Any,
-              power_iterations: Any) -> DionSettings:
+def make_settings(
+    options: TreeOptions,
+    rank_fraction: Any,
+    oversample: float,
+    product_dtype: Any,
+    power_iterations: Any,
+) -> DionSettings:
   """``DionSettings`` from the user's arguments, checked.
 
   Raises:
-    ValueError: for a rank fraction, product dtype or iteration count out of range.
+    ValueError: for a rank fraction, product dtype or iteration count out of
+      range.
   """
-  return DionSettings(options=options, rank_fraction=_freeze_fraction(rank_fraction),
-                      oversample=oversample, product_dtype=_product_dtype(product_dtype),
-                      power_iterations=_power_iterations(power_iterations))
+  return DionSettings(
+      options=options,
+      rank_fraction=_freeze_fraction(rank_fraction),
+      oversample=oversample,
+      product_dtype=_product_dtype(product_dtype),
+      power_iterations=_power_iterations(power_iterations),
+  )
 
 
 def _product_dtype(dtype: Any) -> Any:
@@ -97,8 +136,10 @@ def _product_dtype(dtype: Any) -> Any:
   except TypeError:
     resolved = None
   if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
-    raise ValueError(f"product_dtype must be a floating-point dtype such as 'bfloat16' or "
-                     f"None, got {dtype!r}.")
+    raise ValueError(
+        "product_dtype must be a floating-point dtype such as 'bfloat16' or "
+        f"None, got {dtype!r}."
+    )
   return resolved
 
 
@@ -112,5 +153,6 @@ def _power_iterations(count: Any) -> int:
 def _freeze_fraction(rank_fraction: Any) -> Any:
   if _is_fraction(rank_fraction):
     _check_fraction(rank_fraction, "rank_fraction")
-  return tree_utils.freeze_prefix(rank_fraction, is_value=_is_fraction, what="rank_fraction")
-
+  return tree_utils.freeze_prefix(
+      rank_fraction, is_value=_is_fraction, what="rank_fraction"
+  )

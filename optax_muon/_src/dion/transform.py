@@ -1,10 +1,14 @@
-"""``scale_by_dion``: Dion's direction (low-rank power iteration with error feedback).
+"""``scale_by_dion``: Dion's direction (low-rank power iteration with error
+feedback).
 
-Dion replaces Newton–Schulz by one warm-started step of subspace iteration at rank r per
-matrix (see ``dion.step``): it never needs a whole matrix on one device, and its collectives
-carry O((m + n)·r) values per matrix (at rank fractions of 0.8 and above P's rows are
-all-gathered instead, see ``dion.step``). The leaves' routing, layouts and shardings come
-from the same spec as Muon's (``core.spec.tree_spec``); no plan is built.
+Dion replaces Newton–Schulz by one warm-started step of subspace iteration at
+rank r per
+matrix (see ``dion.step``): it never needs a whole matrix on one device, and its
+  collectives
+carry O((m + n)·r) values per matrix (at rank fractions of 0.8 and above P's
+rows are all-gathered instead, see ``dion.step``). The leaves' routing, layouts
+and shardings come from the same spec as Muon's (``core.spec.tree_spec``); no
+plan is built.
 """
 
 from __future__ import annotations
@@ -31,30 +35,30 @@ class DionState(NamedTuple):
   """State of ``scale_by_dion``."""
 
   count: jax.Array  # shape=(), dtype=int32; steps taken.
-  # The buffer B: the params' tree and shapes, float32 (float64 for float64 params).
+  # The buffer B: the params' tree and shapes, float32 (float64 for float64
+  # params).
   momentum: optax.Updates
-  # The right factors Q: the params' tree; per leaf (batch…, n…, r) with n the long side's
-  # axes (the NS orientation's columns), in the buffer's dtype.
+  # The right factors Q: the params' tree; per leaf (batch…, n…, r) with n the
+  # long side's axes (the NS orientation's columns), in the buffer's dtype.
   q: optax.Updates
 
 
-
-
-
-
-
-
-def dion_direction(settings: DionSettings, beta: Any, seed: int,
-                   warnings: OncePerTransformation | None = None
-                   ) -> optax.GradientTransformationExtraArgs:
+def dion_direction(
+    settings: DionSettings,
+    beta: Any,
+    seed: int,
+    warnings: OncePerTransformation | None = None,
+) -> optax.GradientTransformationExtraArgs:
   """Dion's direction P·Qᵀ for every Muon leaf it receives.
 
   Args:
-    settings: the static options (``settings.options.routing`` is applied by ``dion``'s
-      partition, not here) and Dion's own; ``init`` reports them for ``summarize``.
+    settings: the static options (``settings.options.routing`` is applied by
+      ``dion``'s partition, not here) and Dion's own; ``init`` reports them for
+      ``summarize``.
     beta: μ; may be traced.
     seed: seeds Q's initial values and the sketches.
-    warnings: where ``init`` issues the spec's warnings (``dion`` issues its own).
+    warnings: where ``init`` issues the spec's warnings (``dion`` issues its
+      own).
   """
   received = branch_options(settings.options)
   base = jax.random.key(seed)
@@ -67,44 +71,48 @@ def dion_direction(settings: DionSettings, beta: Any, seed: int,
     leaves = spec.take(params)
     matrices = settings.matrices(spec, params)
     momentum, q = [], []
-    for k, (x, leaf, matrix) in enumerate(zip(leaves, spec.muon_leaves, matrices)):
+    for k, (x, leaf, matrix) in enumerate(
+        zip(leaves, spec.muon_leaves, matrices)
+    ):
       dtype = moment_dtype(x.dtype)
       momentum.append(zeros(x.shape, dtype, placement_of(x, leaf.sharding), x))
       q.append(initial_q(matrix, jax.random.fold_in(base, k), dtype))
-    return DionState(jnp.zeros([], jnp.int32), spec.put(params, momentum),
-                     spec.put(params, q))
+    return DionState(
+        jnp.zeros([], jnp.int32),
+        spec.put(params, momentum),
+        spec.put(params, q),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    check_same_shapes(updates, state.momentum, "the optimizer state (made from the params)")
+    check_same_shapes(
+        updates, state.momentum, "the optimizer state (made from the params)"
+    )
     spec = tree_spec(updates, received)
     matrices = settings.matrices(spec, updates)
     count = optax.safe_increment(state.count)
     step_key = jax.random.fold_in(base, count)
     out, momentum, q = [], [], []
-    triples = zip(spec.take(updates), spec.take(state.momentum), spec.take(state.q))
+    triples = zip(
+        spec.take(updates), spec.take(state.momentum), spec.take(state.q)
+    )
     for k, ((g, b, q_old), matrix) in enumerate(zip(triples, matrices)):
       if matrix.rank == 0:
         out.append(g)
         momentum.append(b)
         q.append(q_old)
         continue
-      d, b, q_new = dion_step(g, b, q_old, beta, jax.random.fold_in(step_key, k), matrix)
+      d, b, q_new = dion_step(
+          g, b, q_old, beta, jax.random.fold_in(step_key, k), matrix
+      )
       out.append(d.astype(g.dtype))
       momentum.append(b)
       q.append(q_new)
-    return spec.put(updates, out), DionState(count, spec.put(state.momentum, momentum),
-                                             spec.put(state.q, q))
+    return spec.put(updates, out), DionState(
+        count, spec.put(state.momentum, momentum), spec.put(state.q, q)
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-
-
-
-
-
-
 
 
 def scale_by_dion(
@@ -118,53 +126,63 @@ def scale_by_dion(
     product_dtype: jax.typing.DTypeLike | None = None,
     power_iterations: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
-  """Dion's direction: a rank-r orthonormal update by warm-started power iteration.
+  """Dion's direction: a rank-r orthonormal update by warm-started power
+  iteration.
 
-  Every array leaf it receives is a matrix (or a batch of them, under its dimension
-  numbers). Per matrix, with G the gradient, B the buffer, Q the n × r right factor kept
-  from the last step, and m × n the matrix in Newton–Schulz orientation (m ≤ n)::
+  Every array leaf it receives is a matrix (or a batch of them, under its
+  dimension numbers). Per matrix, with G the gradient, B the buffer, Q the n × r
+  right factor kept from the last step, and m × n the matrix in Newton–Schulz
+  orientation (m ≤ n)::
 
     M = B + G;  P = orthonormalize(M·Q);  R = Mᵀ·P
     B ← M − (1 − μ)·P·Rᵀ;  Q ← R with unit columns;  update = P·Qᵀ
 
-  ``orthonormalize`` is a randomized Cholesky-QR (an oversampled Gaussian sketch, then
-  Cholesky-QR), stable on ill-conditioned P. At rank ``min(m, n)`` and a fixed gradient the
-  update converges to Muon's U·Vᵀ. On sharded leaves every product runs on the local
-  blocks; only P's and R's partial sums, r × r Grams and column norms cross devices.
+  ``orthonormalize`` is a randomized Cholesky-QR (an oversampled Gaussian
+  sketch, then Cholesky-QR), stable on ill-conditioned P. At rank ``min(m, n)``
+  and a fixed gradient the update converges to Muon's U·Vᵀ. On sharded leaves
+  every product runs on the local blocks; only P's and R's partial sums, r × r
+  Grams and column norms cross devices.
 
   Args:
-    rank_fraction: r as a fraction of min(m, n), in (0, 1] (rounded up, at least 1): one
+    rank_fraction: r as a fraction of min(m, n), in (0, 1] (rounded up, at least
+      1): one
       number, a tree or prefix tree of numbers (None entries: 1), or a callable
       ``params -> such a tree``.
     beta: μ, the momentum decay, in [0, 1).
-    weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf, as ``scale_by_muon``'s;
-      batch axes (stacked layers, experts) are independent matrices.
-    param_shardings: the params' shardings on Auto meshes, as ``scale_by_muon``'s; on
-      Explicit meshes the leaves' types carry them.
-    oversample: sketch rows per unit of rank in the orthonormalization, at least 1.
-    seed: seeds Q's initial values (per leaf) and the sketches (per step and leaf).
-    product_dtype: the operands' dtype of the four m × n × r products (M·Q, Mᵀ·P, P·Rᵀ,
-      P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs them at the device's
+    weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf, as
+      ``scale_by_muon``'s; batch axes (stacked layers, experts) are independent
+      matrices.
+    param_shardings: the params' shardings on Auto meshes, as
+      ``scale_by_muon``'s; on Explicit meshes the leaves' types carry them.
+    oversample: sketch rows per unit of rank in the orthonormalization, at least
+      1.
+    seed: seeds Q's initial values (per leaf) and the sketches (per step and
+      leaf).
+    product_dtype: the operands' dtype of the four m × n × r products (M·Q,
+      Mᵀ·P, P·Rᵀ, P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs
+      them at the device's
       bfloat16 rate. None (default): the state's dtype at full precision. The
       orthonormalization always runs in the state's dtype.
-    power_iterations: subspace-iteration steps per optimizer step (P = orth(M·R),
-      R = Mᵀ·P, from R = Q), at least 1; Dion takes 1, more bring the update closer to the
-      rank-r polar factor at twice the products and collectives per extra step.
+    power_iterations: subspace-iteration steps per optimizer step (P =
+      orth(M·R), R = Mᵀ·P, from R = Q), at least 1; Dion takes 1, more bring the
+      update closer to the rank-r polar factor at twice the products and
+      collectives per extra step.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a ``DionState``.
 
   Raises:
-    ValueError: for options out of range (naming the argument), and at init/update for
-      complex leaves, leaves that are not matrices or rank fractions out of range (naming
-      the leaf).
+    ValueError: for options out of range (naming the argument), and at
+      init/update for complex leaves, leaves that are not matrices or rank
+      fractions out of range (naming the leaf).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_muon
     >>> tx = optax_muon.scale_by_dion(rank_fraction=1.0)
     >>> params = {"w": jnp.zeros((16, 32))}
     >>> state = tx.init(params)
-    >>> g = {"w": jnp.eye(16, 32) * 0.5 ** jnp.arange(16)[:, None]}  # σ = 1, 1/2, 1/4…
+    >>> # σ = 1, 1/2, 1/4…
+    >>> g = {"w": jnp.eye(16, 32) * 0.5 ** jnp.arange(16)[:, None]}
     >>> update = jax.jit(tx.update)
     >>> for _ in range(30):
     ...   u, state = update(g, state)
@@ -178,9 +196,15 @@ def scale_by_dion(
   """
   check_number("beta", beta, 0.0, 1.0)
   check_number("oversample", oversample, 1.0)
-  options = TreeOptions(weight_dimension_numbers=weight_dimension_numbers,
-                        param_shardings=param_shardings)
-  return dion_direction(make_settings(options, rank_fraction, oversample, product_dtype,
-                                  power_iterations), beta, seed, OncePerTransformation())
-
-
+  options = TreeOptions(
+      weight_dimension_numbers=weight_dimension_numbers,
+      param_shardings=param_shardings,
+  )
+  return dion_direction(
+      make_settings(
+          options, rank_fraction, oversample, product_dtype, power_iterations
+      ),
+      beta,
+      seed,
+      OncePerTransformation(),
+  )

@@ -1,4 +1,5 @@
-"""``muon``: the full optimizer, Muon on matrices and AdamW (NAdamW) on everything else."""
+"""``muon``: the full optimizer, Muon on matrices and AdamW (NAdamW) on
+everything else."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ import jax
 import optax
 
 from optax_muon._src.core import tree_utils
-from optax_muon._src.core.assembly import AdamBranch, check_alias_arguments, matrices_and_adam
+from optax_muon._src.core.assembly import (
+    AdamBranch,
+    check_alias_arguments,
+    matrices_and_adam,
+)
 from optax_muon._src.core.matrices import is_dimension_numbers
 from optax_muon._src.core.options import Routing, ShardingOptions, check_option
 from optax_muon._src.core.qk_clipping import QKClip
 from optax_muon._src.core.spec import static_or_injected
 from optax_muon._src.muon.coefficients import CoefficientsLike
 from optax_muon._src.muon.options import MuonOptions, NorMuon, NSOptions
-from optax_muon._src.muon.transform import (MuonHyperparams, MuonState, muon_direction,
-                                            resolve_muon_arguments)
+from optax_muon._src.muon.transform import (
+    MuonHyperparams,
+    MuonState,
+    muon_direction,
+    resolve_muon_arguments,
+)
 
 
 def muon(
@@ -50,66 +59,80 @@ def muon(
     cautious_weight_decay: bool = False,
     qk_clip: QKClip | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Muon for the network's matrices, AdamW (NAdamW with ``nesterov``) for the rest.
+  """Muon for the network's matrices, AdamW (NAdamW with ``nesterov``) for the
+  rest.
 
-  Takes every argument of ``optax.contrib.muon``, in its order and with its meaning; the
-  options after ``consistent_rms`` are this package's. Where the two differ by design
-  (which leaves go to AdamW by default, the coefficient-table slicing), the README's
-  "Coming from optax.contrib.muon" says so.
+  Takes every argument of ``optax.contrib.muon``, in its order and with its
+  meaning; the options after ``consistent_rms`` are this package's. Where the
+  two differ by design (which leaves go to AdamW by default, the
+  coefficient-table slicing), the README's "Coming from optax.contrib.muon" says
+  so.
 
-  Muon leaves: W ← W − η·(scale(n_in, n_out)·NS(momentum) + λ·W) (decoupled decay λ): the
-  direction of ``scale_by_muon``, then ``scale_by_shape``, then the weight decay, then the
-  learning rate, as ``optax.contrib.muon`` chains them.
+  Muon leaves: W ← W − η·(scale(n_in, n_out)·NS(momentum) + λ·W) (decoupled
+    decay λ): the
+  direction of ``scale_by_muon``, then ``scale_by_shape``, then the weight
+  decay, then the learning rate, as ``optax.contrib.muon`` chains them.
   AdamW leaves: ``optax.adamw`` with optax's ``nesterov`` (NAdamW by default, as
   ``optax.contrib.muon``), with float32 moments for 16-bit leaves.
-  Routing (see ``Routing``, ``route`` and ``summarize``): ``routing.labels`` if given,
-  else ``muon_weight_dimension_numbers`` if given (``None`` entries → AdamW, as in
-  ``optax.contrib.muon``), else 2-D leaves whose path does not match
+  Routing (see ``Routing``, ``route`` and ``summarize``): ``routing.labels`` if
+    given,
+  else ``muon_weight_dimension_numbers`` if given (``None`` entries → AdamW, as
+  in ``optax.contrib.muon``), else 2-D leaves whose path does not match
   ``routing.adam_pattern`` (embeddings and output heads go to AdamW).
 
   Args:
     learning_rate: Muon's learning rate η, a scalar or an ``optax.Schedule``.
-    ns_coeffs, ns_steps: Newton–Schulz coefficients and steps (see ``scale_by_muon``).
+    ns_coeffs, ns_steps: Newton–Schulz coefficients and steps (see
+      ``scale_by_muon``).
     beta: Muon's momentum decay, in [0, 1).
-    eps: the NS normalization epsilon (``None``: the preset's) and AdamW's epsilon
-      (``None``: 1e-8), as ``optax.contrib.muon``'s ``eps`` (an ``NSCoefficients``
+    eps: the NS normalization epsilon (``None``: the preset's) and AdamW's
+      epsilon
+      (``None``: 1e-8), as ``optax.contrib.muon``'s ``eps`` (an
+        ``NSCoefficients``
       passed as ``ns_coeffs`` carries an NS epsilon of its own).
-    weight_decay: λ for Muon leaves (multiplied by the learning rate, as in AdamW).
-    weight_decay_mask: tree, prefix tree or callable of bools selecting decayed Muon leaves.
-    mu_dtype: dtype of Muon's momentum and AdamW's first moment; ``None`` keeps the
-      params' dtype, except float32 for 16-bit params.
-    nesterov: Nesterov momentum for Muon, and NAdamW rather than AdamW on the other leaves
-      (optax.contrib's meaning).
+    weight_decay: λ for Muon leaves (multiplied by the learning rate, as in
+      AdamW).
+    weight_decay_mask: tree, prefix tree or callable of bools selecting decayed
+      Muon leaves.
+    mu_dtype: dtype of Muon's momentum and AdamW's first moment; ``None`` keeps
+      the params' dtype, except float32 for 16-bit params.
+    nesterov: Nesterov momentum for Muon, and NAdamW rather than AdamW on the
+      other leaves (optax.contrib's meaning).
     adaptive, preconditioning: see ``scale_by_muon``.
     adam_b1, adam_b2, adam_eps_root: AdamW's moments.
     adam_weight_decay: AdamW's decoupled weight decay.
     adam_learning_rate: AdamW's learning rate; ``None`` uses ``learning_rate``.
-    muon_weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf (tree, prefix tree or
-      callable); describes ≥3-D leaves (stacked layers, conv kernels, experts, heads).
-    consistent_rms: k: scale Muon's updates by k·sqrt(max(n_in, n_out)) instead of
-      ``scale`` (RMS ≈ k for every shape; 0.2 matches AdamW).
+    muon_weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf (tree,
+      prefix tree or callable); describes ≥3-D leaves (stacked layers, conv
+      kernels, experts, heads).
+    consistent_rms: k: scale Muon's updates by k·sqrt(max(n_in, n_out)) instead
+      of ``scale`` (RMS ≈ k for every shape; 0.2 matches AdamW).
     momentum: Muon's momentum form, see ``scale_by_muon``.
     scale: the shape factor: ``"jordan"`` sqrt(max(1, n_out/n_in)) (optax's),
       ``"spectral"`` sqrt(n_out/n_in), or ``None`` (1).
     ns_options: how NS runs (``NSOptions``).
     normalization: ``NorMuon(beta)`` on the Muon leaves, or None.
-    routing: which leaf goes where (``Routing``: labels, adam_pattern (embeddings, heads, norms)).
+    routing: which leaf goes where (``Routing``: labels, adam_pattern
+      (embeddings, heads, norms)).
     param_shardings, sharding: for sharded params, see ``scale_by_muon``.
-    adam_weight_decay_mask: tree, prefix tree or callable of bools selecting decayed AdamW
-      leaves.
-    cautious_weight_decay: apply both weight decays only where the parameter and the
-      update (before the learning rate) agree in sign: W ← W − η·λ·W·[W ⊙ U ≥ 0] − η·U
+    adam_weight_decay_mask: tree, prefix tree or callable of bools selecting
+      decayed AdamW leaves.
+    cautious_weight_decay: apply both weight decays only where the parameter and
+      the
+      update (before the learning rate) agree in sign: W ← W − η·λ·W·[W ⊙ U ≥ 0]
+        − η·U
       (see ``add_cautious_decayed_weights``).
-    qk_clip: ``QKClip(threshold, heads, alpha)`` for QK-clip (MuonClip), applied last, to
-      the new parameters; ``update`` then takes ``attn_logit_max=``.
+    qk_clip: ``QKClip(threshold, heads, alpha)`` for QK-clip (MuonClip), applied
+      last, to the new parameters; ``update`` then takes ``attn_logit_max=``.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; ``summarize(params, tx)`` shows where
-    every leaf goes.
+    An ``optax.GradientTransformationExtraArgs``; ``summarize(params, tx)``
+    shows where every leaf goes.
 
   Raises:
-    ValueError: for invalid options (naming the argument), and at ``init`` for routing
-      trees that don't match the params or leaves Muon can't take (naming the leaf).
+    ValueError: for invalid options (naming the argument), and at ``init`` for
+      routing trees that don't match the params or leaves Muon can't take
+      (naming the leaf).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_muon
@@ -119,55 +142,83 @@ def muon(
     >>> [(r.path, r.optimizer) for r in optax_muon.summarize(params, tx).rows]
     [('b', 'adam'), ('embed', 'adam'), ('w', 'muon')]
     >>> state = tx.init(params)
-    >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
 
   References:
     Jordan et al., `Muon: An optimizer for hidden layers in neural networks
     <https://kellerjordan.github.io/posts/muon/>`_, 2024.
 
-    Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_,
+    Liu et al., `Muon is Scalable for LLM Training
+    <https://arxiv.org/abs/2502.16982>`_, 2025.
+
+    DeepSeek-AI, `DeepSeek-V4 technical report`, 2026 (hybrid Newton–Schulz
+    schedule: ``ns_coeffs="deepseek_v4"``).
+
+    Chen et al., `Cautious Weight Decay <https://arxiv.org/abs/2510.12402>`_,
     2025.
-
-    DeepSeek-AI, `DeepSeek-V4 technical report`, 2026 (hybrid Newton–Schulz schedule:
-    ``ns_coeffs="deepseek_v4"``).
-
-    Chen et al., `Cautious Weight Decay <https://arxiv.org/abs/2510.12402>`_, 2025.
   """
-  coefficients = resolve_muon_arguments(ns_coeffs, ns_steps, beta, eps, momentum,
-                                        preconditioning)
-  check_alias_arguments(learning_rate=learning_rate, adam_learning_rate=adam_learning_rate,
-                        adam_b1=adam_b1, adam_b2=adam_b2, weight_decay=weight_decay,
-                        adam_weight_decay=adam_weight_decay, scale=scale,
-                        consistent_rms=consistent_rms)
+  coefficients = resolve_muon_arguments(
+      ns_coeffs, ns_steps, beta, eps, momentum, preconditioning
+  )
+  check_alias_arguments(
+      learning_rate=learning_rate,
+      adam_learning_rate=adam_learning_rate,
+      adam_b1=adam_b1,
+      adam_b2=adam_b2,
+      weight_decay=weight_decay,
+      adam_weight_decay=adam_weight_decay,
+      scale=scale,
+      consistent_rms=consistent_rms,
+  )
   options = MuonOptions(
       ns_steps=coefficients.steps,
       ns=check_option("ns_options", ns_options, NSOptions, NSOptions()),
       weight_dimension_numbers=tree_utils.freeze_prefix(
-          muon_weight_dimension_numbers, is_value=is_dimension_numbers,
-          what="muon_weight_dimension_numbers"),
+          muon_weight_dimension_numbers,
+          is_value=is_dimension_numbers,
+          what="muon_weight_dimension_numbers",
+      ),
       param_shardings=param_shardings,
-      sharding=check_option("sharding", sharding, ShardingOptions, ShardingOptions()),
+      sharding=check_option(
+          "sharding", sharding, ShardingOptions, ShardingOptions()
+      ),
       routing=check_option("routing", routing, Routing, Routing()),
-      normalization=check_option("normalization", normalization, NorMuon), scale=scale,
+      normalization=check_option("normalization", normalization, NorMuon),
+      scale=scale,
       consistent_rms=static_or_injected(consistent_rms),
       cautious_weight_decay=cautious_weight_decay,
-      qk_clip=check_option("qk_clip", qk_clip, QKClip))
-  direction = muon_direction(options, MuonHyperparams(
-      coefficients=coefficients, preconditioning=preconditioning, beta=beta,
-      momentum=momentum, nesterov=nesterov, mu_dtype=mu_dtype, adaptive=adaptive))
+      qk_clip=check_option("qk_clip", qk_clip, QKClip),
+  )
+  direction = muon_direction(
+      options,
+      MuonHyperparams(
+          coefficients=coefficients,
+          preconditioning=preconditioning,
+          beta=beta,
+          momentum=momentum,
+          nesterov=nesterov,
+          mu_dtype=mu_dtype,
+          adaptive=adaptive,
+      ),
+  )
   return matrices_and_adam(
-      direction, options, learning_rate=learning_rate, consistent_rms=consistent_rms,
-      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
-      adam=AdamBranch(learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
-                      eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-                      weight_decay_mask=adam_weight_decay_mask, mu_dtype=mu_dtype,
-                      nesterov=nesterov),
-      keep=MuonState)
-
-
-
-
-
-
-
-
+      direction,
+      options,
+      learning_rate=learning_rate,
+      consistent_rms=consistent_rms,
+      weight_decay=weight_decay,
+      weight_decay_mask=weight_decay_mask,
+      adam=AdamBranch(
+          learning_rate=adam_learning_rate,
+          b1=adam_b1,
+          b2=adam_b2,
+          eps=eps,
+          eps_root=adam_eps_root,
+          weight_decay=adam_weight_decay,
+          weight_decay_mask=adam_weight_decay_mask,
+          mu_dtype=mu_dtype,
+          nesterov=nesterov,
+      ),
+      keep=MuonState,
+  )

@@ -1,23 +1,28 @@
-"""Cost accounting: what Newton–Schulz and the plan's collectives cost, and how long it takes.
+"""Cost accounting: what Newton–Schulz and the plan's collectives cost, and how
+long it takes.
 
-The one module that counts; the planner, ``summarize`` and the tests that check the compiled
-update against the plan all read it.
+The one module that counts; the planner, ``summarize`` and the tests that check
+the compiled update against the plan all read it.
 
-* NS FLOPs of one matrix, whole or per team member (``ns_flops``; ``uses_gram`` picks the
-  iteration by them; ``matrix_flops`` and ``team_cost`` under an ``NSOptions``), and the
-  collectives a team member runs (``team_collectives``, ``TeamCost``).
+* NS FLOPs of one matrix, whole or per team member (``ns_flops``; ``uses_gram``
+  picks the iteration by them; ``matrix_flops`` and ``team_cost`` under an
+  ``NSOptions``), and the collectives a team member runs (``team_collectives``,
+  ``TeamCost``).
 * Modelled time, an alpha–beta model of one device (``CostModel``, ``PROFILES``,
-  ``default_cost_model``, from ``optax_muon._src.core.profiles``): time = FLOPs / flops_per_second +
-  Σ over collectives (collective_latency + bytes received / bytes_per_second). A matrix of
-  c FLOPs of Newton–Schulz takes c / rate on one device; on a team of k devices about
-  c / (k·rate) on each, plus per step the all-reduce of the m × m Gram matrix (a
-  reduce-scatter and an all-gather) and the all-gather of the polynomial's rows, each
-  receiving (k − 1)/k·m² elements. Splitting pays when the compute it saves exceeds the collectives it adds; the
-  plan decides that for the whole tree (``optax_muon._src.muon.plan``).
-* A plan's figures per device: NS FLOPs, received bytes and modelled seconds per step, the
-  busiest device's, and the lower bound on its NS FLOPs (``device_ns_flops``,
-  ``device_received_bytes``, ``device_seconds``, ``critical_ns_flops``,
-  ``critical_seconds``, ``ns_flops_bound``; ``Plan`` has them as methods too). They take the
+  ``default_cost_model``, from ``optax_muon._src.core.profiles``): time = FLOPs
+    / flops_per_second +
+  Σ over collectives (collective_latency + bytes received / bytes_per_second). A
+  matrix of c FLOPs of Newton–Schulz takes c / rate on one device; on a team of
+  k devices about c / (k·rate) on each, plus per step the all-reduce of the m ×
+  m Gram matrix (a reduce-scatter and an all-gather) and the all-gather of the
+  polynomial's rows, each receiving (k − 1)/k·m² elements. Splitting pays when
+  the compute it saves exceeds the collectives it adds; the plan decides that
+  for the whole tree (``optax_muon._src.muon.plan``).
+* A plan's figures per device: NS FLOPs, received bytes and modelled seconds per
+  step, the busiest device's, and the lower bound on its NS FLOPs
+  (``device_ns_flops``, ``device_received_bytes``, ``device_seconds``,
+  ``critical_ns_flops``, ``critical_seconds``, ``ns_flops_bound``; ``Plan`` has
+  them as methods too). They take the
   plan as an argument and import nothing of it: the plan holds ``TeamCost`` and
   ``CostModel`` values, so it sits above this module.
 """
@@ -32,8 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_muon._src.core.matrices import ns_orientation
-from optax_muon._src.core.profiles import (PROFILES, CostModel, default_cost_model,  # noqa: F401
-                                 mesh_devices, profile_of)
+from optax_muon._src.core.profiles import (
+    CostModel,
+    default_cost_model,  # noqa: F401
+)
 
 METHODS = ("standard", "gram", "auto")
 #: Steps between Gram restarts; see ``newton_schulz``.
@@ -42,10 +49,11 @@ GRAM_RESTART = 3
 
 # NS FLOPs and team collectives of one matrix.
 
+
 def _gram_chunk_flops(m: int, n: int, steps: int, rows: int) -> int:
-  """G and the final Q·X (4·m²·n); P_0 (2·r·m²); if more steps: A_1 (4·r·m²), 8·r·m² per
-  middle step (A², Q·P, P·A·P) and 4·r·m² for the last (A², Q·P); r the rows of the m × m
-  products a device computes (m on one device)."""
+  """G and the final Q·X (4·m²·n); P_0 (2·r·m²); if more steps: A_1 (4·r·m²),
+  8·r·m² per middle step (A², Q·P, P·A·P) and 4·r·m² for the last (A², Q·P); r
+  the rows of the m × m products a device computes (m on one device)."""
   if steps == 1:
     return 4 * m * m * n + 2 * rows * m * m
   return 4 * m * m * n + (10 + 8 * (steps - 2)) * rows * m * m
@@ -56,13 +64,21 @@ def _gram_chunks(steps: int, gram_restart: int) -> list[int]:
   return [min(gram_restart, steps - s) for s in range(0, steps, gram_restart)]
 
 
-def ns_flops(m: int, n: int, steps: int, gram: bool = False,
-             gram_restart: int = GRAM_RESTART, team: int = 1) -> int:
-  """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side m ≤ n), on
-  each member of a team of ``team`` devices (n divisible by it).
+def ns_flops(
+    m: int,
+    n: int,
+    steps: int,
+    gram: bool = False,
+    gram_restart: int = GRAM_RESTART,
+    team: int = 1,
+) -> int:
+  """FLOPs of ``steps`` NS steps on one m × n matrix (counted on the short side
+  m ≤ n), on each member of a team of ``team`` devices (n divisible by it).
 
-  Standard: 4·m²·n/k + 2·⌈m/k⌉·m² per step (the rows of the m × m polynomial split too).
-  Gram: see ``newton_schulz``'s Gram iteration; in a team every m × m product is split by
+  Standard: 4·m²·n/k + 2·⌈m/k⌉·m² per step (the rows of the m × m polynomial
+    split too).
+  Gram: see ``newton_schulz``'s Gram iteration; in a team every m × m product is
+    split by
   rows as well (⌈m/k⌉ of them on each member).
 
   Examples:
@@ -77,20 +93,37 @@ def ns_flops(m: int, n: int, steps: int, gram: bool = False,
   rows = -(-m // team)
   if not gram:
     return steps * (4 * m * m * n + 2 * rows * m * m)
-  return sum(_gram_chunk_flops(m, n, k, rows) for k in _gram_chunks(steps, gram_restart))
+  return sum(
+      _gram_chunk_flops(m, n, k, rows)
+      for k in _gram_chunks(steps, gram_restart)
+  )
 
 
-def team_collectives(m: int, n: int, steps: int, team: int, gram: bool = False,
-                     gram_restart: int = GRAM_RESTART) -> tuple[tuple[int, bool], ...]:
-  """The collectives one member of a team of ``team`` runs in NS of one m × n matrix with
-  the Frobenius preconditioning: per collective, (elements it receives, whether it sits in
-  the NS loop). A batch of matrices runs the same collectives, each carrying all of them.
+def team_collectives(
+    m: int,
+    n: int,
+    steps: int,
+    team: int,
+    gram: bool = False,
+    gram_restart: int = GRAM_RESTART,
+) -> tuple[tuple[int, bool], ...]:
+  """The collectives one member of a team of ``team`` runs in NS of one m × n
+  matrix with
+  the Frobenius preconditioning: per collective, (elements it receives, whether
+    it sits in
+  the NS loop). A batch of matrices runs the same collectives, each carrying all
+  of them.
 
-  Standard: max and sum of the norm (k − 1 each), then per step the Gram matrix's
-  reduce-scatter and all-gather and the polynomial's all-gather ((k − 1)·⌈m/k⌉·m each), in
-  the loop. Gram, per run of s steps between restarts: G's reduce-scatter and all-gather,
-  the all-gathers of P_0 and (if s > 1) A_1, two per middle step (P and A; in the loop if
-  there are several) and two for the last (P and the final Q): 2·s + 2 (3 for s = 1).
+  Standard: max and sum of the norm (k − 1 each), then per step the Gram
+    matrix's
+  reduce-scatter and all-gather and the polynomial's all-gather ((k − 1)·⌈m/k⌉·m
+  each), in
+  the loop. Gram, per run of s steps between restarts: G's reduce-scatter and
+    all-gather,
+  the all-gathers of P_0 and (if s > 1) A_1, two per middle step (P and A; in
+  the loop if
+  there are several) and two for the last (P and the final Q): 2·s + 2 (3 for s
+    = 1).
   """
   (m, _), _ = ns_orientation(m, n)
   if team == 1:
@@ -101,42 +134,69 @@ def team_collectives(m: int, n: int, steps: int, team: int, gram: bool = False,
     return tuple(out + [(block, True)] * (3 * steps))
   for s in _gram_chunks(steps, gram_restart):
     middle = max(s - 2, 0)  # a scan of one step compiles to no loop
-    out += [(block, False)] * (3 if s == 1 else 4) + [(block, middle > 1)] * (2 * middle)
+    out += [(block, False)] * (3 if s == 1 else 4) + [(block, middle > 1)] * (
+        2 * middle
+    )
     out += [(block, False)] * (2 if s > 1 else 0)
   return tuple(out)
 
 
-def uses_gram(method: str, m: int, n: int, steps: int, gram_restart: int = GRAM_RESTART,
-              compute_dtype=jnp.float32, team: int = 1) -> bool:
-  """Whether ``method`` runs the Gram iteration on an m × n matrix (on a team of ``team``).
+def uses_gram(
+    method: str,
+    m: int,
+    n: int,
+    steps: int,
+    gram_restart: int = GRAM_RESTART,
+    compute_dtype=jnp.float32,
+    team: int = 1,
+) -> bool:
+  """Whether ``method`` runs the Gram iteration on an m × n matrix (on a team of
+  ``team``).
 
-  ``"auto"`` chooses it where it needs fewer FLOPs per device and the products run in
-  float32 or wider (in bf16 the Gram matrix's rounding error is squared into the result: measured 3e-2 vs
+  ``"auto"`` chooses it where it needs fewer FLOPs per device and the products
+  run in
+  float32 or wider (in bf16 the Gram matrix's rounding error is squared into the
+    result: measured 3e-2 vs
   1e-2 for the standard iteration).
 
   Raises:
     ValueError: for an unknown method or a non-positive restart interval.
   """
   if method not in METHODS:
-    raise ValueError(f"Unknown Newton–Schulz method {method!r}; expected one of {METHODS}.")
-  if isinstance(gram_restart, bool) or not isinstance(gram_restart, int) or gram_restart < 1:
-    raise ValueError(f"gram_restart must be a positive integer, got {gram_restart!r}.")
+    raise ValueError(
+        f"Unknown Newton–Schulz method {method!r}; expected one of {METHODS}."
+    )
+  if (
+      isinstance(gram_restart, bool)
+      or not isinstance(gram_restart, int)
+      or gram_restart < 1
+  ):
+    raise ValueError(
+        f"gram_restart must be a positive integer, got {gram_restart!r}."
+    )
   if method != "auto":
     return method == "gram"
-  return (jnp.finfo(compute_dtype).bits >= 32  # complex64's parts are 32-bit
-          and ns_flops(m, n, steps, True, gram_restart, team)
-          < ns_flops(m, n, steps, team=team))
+  return jnp.finfo(
+      compute_dtype
+  ).bits >= 32 and ns_flops(  # complex64's parts are 32-bit
+      m, n, steps, True, gram_restart, team
+  ) < ns_flops(
+      m, n, steps, team=team
+  )
 
 
-def matrix_flops(ns: Any, m: int, n: int, dtype: Any, steps: int, team: int = 1) -> int:
-  """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype``, on each member of a team of
-  ``team`` devices.
+def matrix_flops(
+    ns: Any, m: int, n: int, dtype: Any, steps: int, team: int = 1
+) -> int:
+  """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype``, on each
+  member of a team of ``team`` devices.
 
   Args:
-    ns: the ``NSOptions`` (method, Gram restarts, compute dtype; ``"auto"`` is settled
-      for the default backend).
+    ns: the ``NSOptions`` (method, Gram restarts, compute dtype; ``"auto"`` is
+      settled for the default backend).
     m, n: the matrix's shape (either orientation).
-    dtype: its dtype (NS computes in it unless ``ns.compute_dtype`` says otherwise).
+    dtype: its dtype (NS computes in it unless ``ns.compute_dtype`` says
+      otherwise).
     steps: NS steps.
     team: k, the devices sharing the matrix.
 
@@ -145,12 +205,21 @@ def matrix_flops(ns: Any, m: int, n: int, dtype: Any, steps: int, team: int = 1)
   """
   ns = ns.resolved(jax.default_backend())
   (m, n), _ = ns_orientation(m, n)
-  gram = uses_gram(ns.method, m, n, steps, ns.gram_restart, ns.compute_dtype or jnp.dtype(dtype),
-                   team)
+  gram = uses_gram(
+      ns.method,
+      m,
+      n,
+      steps,
+      ns.gram_restart,
+      ns.compute_dtype or jnp.dtype(dtype),
+      team,
+  )
   return ns_flops(m, n, steps, gram, ns.gram_restart, team)
 
 
-def team_cost(ns: Any, m: int, n: int, dtype: Any, team: int, steps: int) -> TeamCost:
+def team_cost(
+    ns: Any, m: int, n: int, dtype: Any, team: int, steps: int
+) -> TeamCost:
   """What one member of a team of ``team`` devices spends on one m × n matrix.
 
   Args:
@@ -168,9 +237,12 @@ def team_cost(ns: Any, m: int, n: int, dtype: Any, team: int, steps: int) -> Tea
   compute = jnp.dtype(ns.compute_dtype or dtype)
   gram = uses_gram(ns.method, m, n, steps, ns.gram_restart, compute, team)
   collectives = team_collectives(m, n, steps, team, gram, ns.gram_restart)
-  return TeamCost(ns_flops(m, n, steps, gram, ns.gram_restart, team),
-                  tuple(e * compute.itemsize for e, _ in collectives),
-                  sum(in_loop for _, in_loop in collectives) // steps, gram)
+  return TeamCost(
+      ns_flops(m, n, steps, gram, ns.gram_restart, team),
+      tuple(e * compute.itemsize for e, _ in collectives),
+      sum(in_loop for _, in_loop in collectives) // steps,
+      gram,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,14 +262,18 @@ class TeamCost:
   gram: bool = False
 
   def collective_seconds(self, model: CostModel, matrices: int = 1) -> float:
-    """Modelled time of its collectives for ``matrices`` matrices run as one batch (each
-    collective carries all of them)."""
-    return sum(model.collective_seconds(matrices * b) for b in self.collective_bytes)
+    """Modelled time of its collectives for ``matrices`` matrices run as one
+    batch (each collective carries all of them)."""
+    return sum(
+        model.collective_seconds(matrices * b) for b in self.collective_bytes
+    )
 
   def seconds(self, model: CostModel, matrices: int = 1) -> float:
-    """Modelled time of ``matrices`` matrices run as one batch: FLOPs and collectives."""
-    return (model.compute_seconds(matrices * self.flops)
-            + self.collective_seconds(model, matrices))
+    """Modelled time of ``matrices`` matrices run as one batch: FLOPs and
+    collectives."""
+    return model.compute_seconds(
+        matrices * self.flops
+    ) + self.collective_seconds(model, matrices)
 
 
 # A plan's figures per device.
@@ -205,46 +281,63 @@ class TeamCost:
 
 def program_flops(ex: Any) -> tuple[int, ...]:
   """NS FLOPs of each program of whole matrices of an ``Exchange``."""
-  return tuple(sum(count * b.flops for runs, b in zip(p, ex.buckets) for _, count in runs)
-               for p in ex.programs)
+  return tuple(
+      sum(
+          count * b.flops for runs, b in zip(p, ex.buckets) for _, count in runs
+      )
+      for p in ex.programs
+  )
 
 
 def team_program_flops(ex: Any) -> tuple[int, ...]:
   """NS FLOPs of each team program of an ``Exchange``, on each member."""
   flops = {}
   for runs in ex.teams:
-    flops[tuple(r.key for r in runs)] = sum(len(r.matrices) * r.cost.flops for r in runs)
+    flops[tuple(r.key for r in runs)] = sum(
+        len(r.matrices) * r.cost.flops for r in runs
+    )
   return tuple(flops[p] for p in ex.team_programs)
 
 
 def worker_team_flops(ex: Any) -> np.ndarray:
   """Per worker of an ``Exchange``, its NS FLOPs in its team."""
-  return ex.per_worker(lambda r: len(r.matrices) * r.cost.flops).astype(np.int64)
+  return ex.per_worker(lambda r: len(r.matrices) * r.cost.flops).astype(
+      np.int64
+  )
 
 
 def worker_team_collective_seconds(ex: Any, model: CostModel) -> np.ndarray:
-  """Per worker of an ``Exchange``, the modelled time of its team's collectives (each
-  carries all of a run's matrices)."""
+  """Per worker of an ``Exchange``, the modelled time of its team's collectives
+  (each carries all of a run's matrices)."""
   return ex.per_worker(
-      lambda r: r.cost.collective_seconds(model, len(r.matrices))).astype(np.float64)
+      lambda r: r.cost.collective_seconds(model, len(r.matrices))
+  ).astype(np.float64)
 
 
 def exchange_stages(exchanges) -> list[tuple]:
-  """A group's exchanges, consecutive ones of the same buckets (without teams) together:
-  the stages of one exchange split by matrix so that its all-to-alls pipeline with NS
+  """A group's exchanges, consecutive ones of the same buckets (without teams)
+  together: the stages of one exchange split by matrix so that its all-to-alls
+    pipeline with NS
   (``plan.stages``)."""
   runs: list[list] = []
   for ex in exchanges:
-    if (runs and not ex.teams and not runs[-1][-1].teams
-        and runs[-1][-1].buckets == ex.buckets):
+    if (
+        runs
+        and not ex.teams
+        and not runs[-1][-1].teams
+        and runs[-1][-1].buckets == ex.buckets
+    ):
       runs[-1].append(ex)
     else:
       runs.append([ex])
   return [tuple(r) for r in runs]
 
 
-def pipelined_seconds(ns: list[float], out: list[float], back: list[float]) -> float:
-  """Modelled time of an exchange in stages: stage s + 1 moves out and stage s − 1 comes
+def pipelined_seconds(
+    ns: list[float], out: list[float], back: list[float]
+) -> float:
+  """Modelled time of an exchange in stages: stage s + 1 moves out and stage s −
+  1 comes
   back while stage s is orthogonalized (one stage: out, NS, back in turn).
 
   Args:
@@ -254,36 +347,48 @@ def pipelined_seconds(ns: list[float], out: list[float], back: list[float]) -> f
   """
   total = out[0] + back[-1]
   for s, compute in enumerate(ns):
-    moving = (back[s - 1] if s else 0.0) + (out[s + 1] if s + 1 < len(ns) else 0.0)
+    moving = (back[s - 1] if s else 0.0) + (
+        out[s + 1] if s + 1 < len(ns) else 0.0
+    )
     total += max(compute, moving)
   return total
 
 
 def _worker_flops(ex: Any) -> np.ndarray:
-  """Per worker of an ``Exchange``, its NS FLOPs (whole matrices and team share)."""
-  return np.asarray(program_flops(ex), np.int64)[np.asarray(ex.program_of)] + \
-      worker_team_flops(ex)
+  """Per worker of an ``Exchange``, its NS FLOPs (whole matrices and team
+  share)."""
+  return np.asarray(program_flops(ex), np.int64)[
+      np.asarray(ex.program_of)
+  ] + worker_team_flops(ex)
 
 
 def _wire_itemsize(plan: Any, ex: Any) -> int:
-  return np.dtype(plan.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))).itemsize
+  return np.dtype(
+      plan.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
+  ).itemsize
 
 
-def _exchange_bytes(plan: Any, group: Any, ex: Any, ragged: bool = False) -> np.ndarray:
-  """Per worker, the bytes each of its devices receives in the exchange ``ex`` (see
-  ``device_received_bytes``)."""
+def _exchange_bytes(
+    plan: Any, group: Any, ex: Any, ragged: bool = False
+) -> np.ndarray:
+  """Per worker, the bytes each of its devices receives in the exchange ``ex``
+  (see ``device_received_bytes``)."""
   g, replicas = group.exchange_size, group.workers // group.exchange_size
-  # Elements one device sends each worker: its piece of every matrix the worker owns.
+  # Elements one device sends each worker: its piece of every matrix the worker
+  # owns.
   owned = np.array(ex.owned_elements(g), np.float64)
   if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
     per_worker = (g - 1) * owned + owned.sum() - owned
   else:
-    per_worker = np.full(group.workers, (2 * (g - 1) + (replicas - 1) * g) * ex.chunk(g))
+    per_worker = np.full(
+        group.workers, (2 * (g - 1) + (replicas - 1) * g) * ex.chunk(g)
+    )
   return _wire_itemsize(plan, ex) * per_worker
 
 
 def device_ns_flops(plan: Any) -> np.ndarray:
-  """NS FLOPs each device runs per step under ``plan``, as an array of the mesh's shape."""
+  """NS FLOPs each device runs per step under ``plan``, as an array of the
+  mesh's shape."""
   loads = np.zeros([size for _, size in plan.mesh_shape], np.int64)
   for group in plan.groups:
     worker = group.worker_of_devices(plan.mesh_shape)
@@ -293,18 +398,21 @@ def device_ns_flops(plan: Any) -> np.ndarray:
 
 
 def device_received_bytes(plan: Any, ragged: bool = False) -> np.ndarray:
-  """Bytes each device receives per step under ``plan``, as an array of the mesh's shape.
+  """Bytes each device receives per step under ``plan``, as an array of the
+  mesh's shape.
 
   Args:
     plan: the ``Plan``.
-    ragged: count only the pieces each device needs, as ``jax.lax.ragged_all_to_all``
-      would send them, instead of the equal chunks of ``jax.lax.all_to_all`` (which is
+    ragged: count only the pieces each device needs, as
+      ``jax.lax.ragged_all_to_all`` would send them, instead of the equal chunks
+      of ``jax.lax.all_to_all`` (which is
       what runs: XLA:CPU does not implement the ragged collective).
 
   Returns:
-    Per device: the all-to-all over X each way (chunks of the busiest worker's size from
-    each of the g − 1 peers), plus the all-gather of the replicas' results when they
-    split the work.
+    Per device: the all-to-all over X each way (chunks of the busiest worker's
+      size from
+    each of the g − 1 peers), plus the all-gather of the replicas' results when
+    they split the work.
   """
   received = np.zeros([size for _, size in plan.mesh_shape], np.float64)
   for group in plan.groups:
@@ -316,28 +424,39 @@ def device_received_bytes(plan: Any, ragged: bool = False) -> np.ndarray:
   return received
 
 
-def _stage_seconds(plan: Any, group: Any, ex: Any, model: CostModel
-                   ) -> tuple[float, float, float]:
-  """One stage of a pipelined exchange: the busiest worker's NS time (team collectives
-  included), the all-to-all out and the way back (with the replicas' all-gather)."""
-  compute = (_worker_flops(ex) / model.flops_per_second
-             + worker_team_collective_seconds(ex, model)).max()
+def _stage_seconds(
+    plan: Any, group: Any, ex: Any, model: CostModel
+) -> tuple[float, float, float]:
+  """One stage of a pipelined exchange: the busiest worker's NS time (team
+  collectives included), the all-to-all out and the way back (with the replicas'
+  all-gather).
+  """
+  compute = (
+      _worker_flops(ex) / model.flops_per_second
+      + worker_team_collective_seconds(ex, model)
+  ).max()
   g, replicas = group.exchange_size, group.workers // group.exchange_size
   chunk = _wire_itemsize(plan, ex) * ex.chunk(g)
   one_way = model.collective_seconds((g - 1) * chunk) if g > 1 else 0.0
-  gather = model.collective_seconds((replicas - 1) * g * chunk) if group.split else 0.0
+  gather = (
+      model.collective_seconds((replicas - 1) * g * chunk)
+      if group.split
+      else 0.0
+  )
   return float(compute), one_way, one_way + gather
 
 
 def device_seconds(plan: Any, model: CostModel | None = None) -> np.ndarray:
-  """Modelled NS and exchange time of each device per step, as an array of the mesh's
+  """Modelled NS and exchange time of each device per step, as an array of the
+  mesh's
   shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its
-  all-to-alls (and replica all-gathers); an exchange in stages takes its pipelined time
-  (``pipelined_seconds``) on each of its group's devices.
+  all-to-alls (and replica all-gathers); an exchange in stages takes its
+  pipelined time (``pipelined_seconds``) on each of its group's devices.
 
   Args:
     plan: the ``Plan``.
-    model: the cost model; ``None`` takes the plan's (or, if none, the default profile).
+    model: the cost model; ``None`` takes the plan's (or, if none, the default
+      profile).
   """
   model = model or plan.cost_model or default_cost_model()
   flops = np.zeros([size for _, size in plan.mesh_shape], np.int64)
@@ -356,10 +475,16 @@ def device_seconds(plan: Any, model: CostModel | None = None) -> np.ndarray:
   seconds = flops / model.flops_per_second + received / model.bytes_per_second
   for group, worker, ex in single:
     if group.workers > 1:
-      seconds = seconds + (2 * (group.exchange_size > 1) + group.split) * (
-          model.collective_latency) + worker_team_collective_seconds(ex, model)[worker]
+      seconds = (
+          seconds
+          + (2 * (group.exchange_size > 1) + group.split)
+          * (model.collective_latency)
+          + worker_team_collective_seconds(ex, model)[worker]
+      )
   for group, stages in staged:
-    ns, out, back = zip(*(_stage_seconds(plan, group, ex, model) for ex in stages))
+    ns, out, back = zip(
+        *(_stage_seconds(plan, group, ex, model) for ex in stages)
+    )
     seconds = seconds + pipelined_seconds(ns, out, back)
   return seconds
 
@@ -375,14 +500,19 @@ def critical_ns_flops(plan: Any) -> int:
 
 
 def ns_flops_bound(plan: Any) -> float:
-  """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS FLOPs."""
+  """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS
+  FLOPs."""
   costs = [(p.layout.batch, p.flops) for p in plan.leaves]
-  return max(sum(k * c for k, c in costs) / plan.device_count, max(c for _, c in costs))
+  return max(
+      sum(k * c for k, c in costs) / plan.device_count, max(c for _, c in costs)
+  )
 
 
 def switches(plan: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
-  """Per ``lax.switch`` of ``plan`` (an exchange with several programs of whole matrices, or
-  with several team programs): each branch's NS FLOPs, and the branch every device takes
+  """Per ``lax.switch`` of ``plan`` (an exchange with several programs of whole
+  matrices, or
+  with several team programs): each branch's NS FLOPs, and the branch every
+    device takes
   (an array of the mesh's shape)."""
   out = []
   for group in plan.groups:
@@ -391,6 +521,10 @@ def switches(plan: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
       if len(ex.programs) > 1:
         out.append((program_flops(ex), np.asarray(ex.program_of)[worker]))
       if len(ex.team_programs) > 1:
-        out.append((team_program_flops(ex),
-                    np.asarray(ex.team_program_of)[worker // ex.team_size]))
+        out.append(
+            (
+                team_program_flops(ex),
+                np.asarray(ex.team_program_of)[worker // ex.team_size],
+            )
+        )
   return out

@@ -1,10 +1,13 @@
-"""The orthogonalize stage: runs the plan, whole matrices to their owners (or column blocks to
-the members of a team), NS there, back.
+"""The orthogonalize stage: runs the plan, whole matrices to their owners (or
+column blocks to the members of a team), NS there, back.
 
-The one way NS is run on a tree. ``orthogonalize`` takes every Muon leaf: the trivial group
-(leaves without shardings: one worker, no exchange) runs on the arrays as they are; the
-sharded groups run the per-device program (local blocks in, local blocks out, collectives by
-mesh-axis name) under ``jax.shard_map``, or directly inside a user's own ``shard_map``.
+The one way NS is run on a tree. ``orthogonalize`` takes every Muon leaf: the
+  trivial group
+(leaves without shardings: one worker, no exchange) runs on the arrays as they
+  are; the
+sharded groups run the per-device program (local blocks in, local blocks out,
+collectives by mesh-axis name) under ``jax.shard_map``, or directly inside a
+user's own ``shard_map``.
 """
 
 from __future__ import annotations
@@ -20,16 +23,25 @@ import numpy as np
 
 from optax_muon._src.muon import costs
 from optax_muon._src.muon.newton_schulz import MeshTeam
-from optax_muon._src.muon.plan.model import Exchange, Group, LeafPlacement, Plan, Program, TeamProgram
+from optax_muon._src.muon.plan.model import (
+    Exchange,
+    Group,
+    LeafPlacement,
+    Plan,
+    Program,
+    TeamProgram,
+)
 from optax_muon._src.muon.spec import MuonTreeSpec
 
 # Newton–Schulz of a (batch, m, n) stack of canonical matrices (m ≤ n), or, with
-# ``team=``, of each team member's columns of them (``orthogonalization.orthogonalize_block``).
+# ``team=``, of each team member's columns of them
+# (``orthogonalization.orthogonalize_block``).
 NSFunction = Callable[..., jax.Array]
 
 
 def _local_matrices(p: LeafPlacement, block: jax.Array) -> jax.Array:
-  """Local block → (local_batch, piece size): one flattened piece per local matrix."""
+  """Local block → (local_batch, piece size): one flattened piece per local
+  matrix."""
   perm = p.layout.batch_axes + p.matrix_dims
   return jnp.transpose(block, perm).reshape(p.local_batch, -1)
 
@@ -42,38 +54,61 @@ def _local_block(p: LeafPlacement, pieces: jax.Array) -> jax.Array:
 
 
 def _member_view(p: LeafPlacement, split_dim: int, size: int) -> LeafPlacement:
-  """The leaf as one of ``size`` team members sees it: ⌈e/size⌉ of every local block's
-  extent e along ``split_dim``."""
+  """The leaf as one of ``size`` team members sees it: ⌈e/size⌉ of every local
+  block's extent e along ``split_dim``."""
   shape = list(p.layout.shape)
   extent = p.local_shape[split_dim]
   shape[split_dim] = shape[split_dim] // extent * -(-extent // size)
-  return dataclasses.replace(p, layout=dataclasses.replace(p.layout, shape=tuple(shape)))
+  return dataclasses.replace(
+      p, layout=dataclasses.replace(p.layout, shape=tuple(shape))
+  )
 
 
-def _member_slice(p: LeafPlacement, split_dim: int, size: int, member: int) -> np.ndarray:
-  """Where member ``member``'s block lies in a flattened local piece of ``p``; −1 where the
-  block is padded (the last members' blocks when ``size`` does not divide the extent)."""
+def _member_slice(
+    p: LeafPlacement, split_dim: int, size: int, member: int
+) -> np.ndarray:
+  """Where member ``member``'s block lies in a flattened local piece of ``p``;
+  −1 where the block is padded (the last members' blocks when ``size`` does not
+  divide the extent).
+  """
   axis = p.matrix_dims.index(split_dim)
   extent = p.piece_shape[axis]
   rows = -(-extent // size)
   index = np.arange(math.prod(p.piece_shape)).reshape(p.piece_shape)
-  index = np.pad(index, [(0, rows * size - extent if a == axis else 0)
-                         for a in range(index.ndim)], constant_values=-1)
-  return np.take(index, np.arange(member * rows, (member + 1) * rows), axis=axis).reshape(-1)
+  index = np.pad(
+      index,
+      [
+          (0, rows * size - extent if a == axis else 0)
+          for a in range(index.ndim)
+      ],
+      constant_values=-1,
+  )
+  return np.take(
+      index, np.arange(member * rows, (member + 1) * rows), axis=axis
+  ).reshape(-1)
 
 
-def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array,
-              transposed: bool | None = None) -> jax.Array:
+def _assemble(
+    p: LeafPlacement,
+    group: Group,
+    mesh: dict,
+    pieces: jax.Array,
+    transposed: bool | None = None,
+) -> jax.Array:
   """(g, S, L) pieces from the g devices along X → (S, m, n) canonical matrices.
 
-  ``transposed`` overrides the layout's orientation (a team member's view keeps the
-  orientation of the whole matrix)."""
+  ``transposed`` overrides the layout's orientation (a team member's view keeps
+  the orientation of the whole matrix)."""
   x_axes, slots = group.exchange_axes, pieces.shape[1]
   t = pieces.reshape(*(mesh[a] for a in x_axes), slots, *p.piece_shape)
   order = [len(x_axes)]
-  for i, d in enumerate(p.matrix_dims):  # global index = (shard coordinates, local index)
+  for i, d in enumerate(
+      p.matrix_dims
+  ):  # global index = (shard coordinates, local index)
     order += [x_axes.index(a) for a in p.dim_axes[d]] + [len(x_axes) + 1 + i]
-  t = jnp.transpose(t, order).reshape(slots, *(p.layout.shape[d] for d in p.matrix_dims))
+  t = jnp.transpose(t, order).reshape(
+      slots, *(p.layout.shape[d] for d in p.matrix_dims)
+  )
   grouped = p.reduction_positions + p.output_positions
   t = jnp.transpose(t, (0, *(1 + k for k in grouped)))
   t = t.reshape(slots, p.layout.n_in, p.layout.n_out)
@@ -81,8 +116,13 @@ def _assemble(p: LeafPlacement, group: Group, mesh: dict, pieces: jax.Array,
   return jnp.swapaxes(t, 1, 2) if transposed else t
 
 
-def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array,
-                 transposed: bool | None = None) -> jax.Array:
+def _disassemble(
+    p: LeafPlacement,
+    group: Group,
+    mesh: dict,
+    mats: jax.Array,
+    transposed: bool | None = None,
+) -> jax.Array:
   """Inverse of ``_assemble``: (S, m, n) → (g, S, L)."""
   slots = mats.shape[0]
   if p.layout.transposed if transposed is None else transposed:
@@ -99,16 +139,20 @@ def _disassemble(p: LeafPlacement, group: Group, mesh: dict, mats: jax.Array,
     position[i] = len(split_shape)
     split_shape.append(p.piece_shape[i])
   t = t.reshape(split_shape)
-  order = [position[a] for a in group.exchange_axes] + [0] + [position[i]
-                                                              for i in range(len(dims))]
+  order = (
+      [position[a] for a in group.exchange_axes]
+      + [0]
+      + [position[i] for i in range(len(dims))]
+  )
   return jnp.transpose(t, order).reshape(group.exchange_size, slots, -1)
 
 
 def _all_to_all(buffer: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """all-to-all of a (g, T) buffer over ``axes``; 16-bit data travels packed in uint32.
+  """all-to-all of a (g, T) buffer over ``axes``; 16-bit data travels packed in
+  uint32.
 
-  Packing keeps bf16 at 2 bytes per value on backends (such as XLA:CPU) that would
-  otherwise widen 16-bit collectives to float32.
+  Packing keeps bf16 at 2 bytes per value on backends (such as XLA:CPU) that
+  would otherwise widen 16-bit collectives to float32.
   """
   if buffer.dtype.itemsize != 2:
     return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True)
@@ -124,8 +168,14 @@ def _index(axes: tuple[str, ...]):
   return jax.lax.axis_index(axes) if axes else 0
 
 
-def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: NSFunction,
-                 pieces: list[jax.Array]) -> list[jax.Array]:
+def _run_program(
+    program: Program,
+    ex: Exchange,
+    group: Group,
+    plan: Plan,
+    ns: NSFunction,
+    pieces: list[jax.Array],
+) -> list[jax.Array]:
   """NS of the matrices one worker owns.
 
   Args:
@@ -134,10 +184,12 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: N
     group: its group.
     plan: the plan.
     ns: Newton–Schulz of a stack of matrices.
-    pieces: per bucket, (g, n, L): the g pieces of each of the worker's n matrices.
+    pieces: per bucket, (g, n, L): the g pieces of each of the worker's n
+      matrices.
 
   Returns:
-    Per bucket, (g, n, L): the pieces of the orthogonalized matrices, in ``pieces``' dtype.
+    Per bucket, (g, n, L): the pieces of the orthogonalized matrices, in
+      ``pieces``' dtype.
   """
   mesh = dict(plan.mesh_shape)
   out = []
@@ -146,27 +198,44 @@ def _run_program(program: Program, ex: Exchange, group: Group, plan: Plan, ns: N
       out.append(x)
       continue
     starts = np.cumsum([0] + [count for _, count in runs])
-    # Casts between wire and compute dtype sit inside the layout code so that they fuse.
-    mats = jnp.concatenate([
-        _assemble(plan.leaves[i], group, mesh, x[:, a:b].astype(bucket.dtype))
-        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])])  # (n, m, n')
+    # Casts between wire and compute dtype sit inside the layout code so that
+    # they fuse.
+    mats = jnp.concatenate(
+        [
+            _assemble(
+                plan.leaves[i], group, mesh, x[:, a:b].astype(bucket.dtype)
+            )
+            for (i, _), a, b in zip(runs, starts[:-1], starts[1:])
+        ]
+    )  # (n, m, n')
     result = ns(mats)
-    out.append(jnp.concatenate([
-        _disassemble(plan.leaves[i], group, mesh, result[a:b]).astype(x.dtype)
-        for (i, _), a, b in zip(runs, starts[:-1], starts[1:])], axis=1))
+    out.append(
+        jnp.concatenate(
+            [
+                _disassemble(plan.leaves[i], group, mesh, result[a:b]).astype(
+                    x.dtype
+                )
+                for (i, _), a, b in zip(runs, starts[:-1], starts[1:])
+            ],
+            axis=1,
+        )
+    )
   return out
 
 
 def _exchange_unit(ex: Exchange, plan: Plan, g: int) -> int:
-  """The elements that step 2 always moves together: the gcd of every piece's size and of
-  the row runs that make up a team member's blocks (a member holds ⌈e/k⌉ of a local extent
-  e, each of its rows ``tail`` contiguous elements)."""
+  """The elements that step 2 always moves together: the gcd of every piece's
+  size and of the row runs that make up a team member's blocks (a member holds
+  ⌈e/k⌉ of a local extent e, each of its rows ``tail`` contiguous elements)."""
   sizes = [b.piece_size(g) for b in ex.buckets]
   for runs in ex.teams:
     for run in runs:
       leaf = plan.leaves[run.leaf]
       axis = leaf.matrix_dims.index(run.split_dim)
-      tail, extent = math.prod(leaf.piece_shape[axis + 1:]), leaf.piece_shape[axis]
+      tail, extent = (
+          math.prod(leaf.piece_shape[axis + 1 :]),
+          leaf.piece_shape[axis],
+      )
       sizes += [tail * -(-extent // ex.team_size), tail * extent]
   return math.gcd(*sizes)
 
@@ -174,33 +243,47 @@ def _exchange_unit(ex: Exchange, plan: Plan, g: int) -> int:
 def buffer_units(ex: Exchange, plan: Plan, g: int) -> tuple[np.ndarray, int]:
   """Where each unit of the (workers, chunk) buffer comes from, and the unit.
 
-  Row w holds this device's blocks (member w mod k's) of the matrices of worker w's team,
-  run by run; then its pieces of worker w's whole matrices, in the order its program runs
-  them; then padding. The buckets' stacks of local pieces (bucket order, each (K, L)
-  flattened, concatenated) are cut into units of ``_exchange_unit`` elements; the index
-  points at units, and padding one past the last, at a unit of zeros. (An index per element
-  would be a constant of the size of the device's Muon params in the compiled program.)
+  Row w holds this device's blocks (member w mod k's) of the matrices of worker
+  w's team, run by run; then its pieces of worker w's whole matrices, in the
+  order its program runs them; then padding. The buckets' stacks of local pieces
+  (bucket order, each (K, L) flattened, concatenated) are cut into units of
+  ``_exchange_unit`` elements; the index points at units, and padding one past
+  the last, at a unit of zeros. (An index per element would be a constant of the
+  size of the device's Muon params in the compiled program.)
 
   Returns:
     ((workers, chunk // unit) unit indices, unit).
   """
   unit = _exchange_unit(ex, plan, g)
-  starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets]) // unit
+  starts = (
+      np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
+      // unit
+  )
   zero = starts[-1]
   index = np.full((len(ex.owned), ex.chunk(g) // unit), zero, np.int64)
   for w, owned in enumerate(ex.owned):
     parts = []
     for run in ex.teams[w // ex.team_size] if ex.teams else ():
       size = ex.buckets[run.bucket].piece_size(g) // unit
-      block = _member_slice(plan.leaves[run.leaf], run.split_dim, ex.team_size,
-                            w % ex.team_size)[::unit]
-      parts += [np.where(block < 0, zero, starts[run.bucket] + j * size + block // unit)
-                for j in run.matrices]
-    parts += [start + (np.asarray(mine, np.int64)[:, None] * (b.piece_size(g) // unit)
-                       + np.arange(b.piece_size(g) // unit)).reshape(-1)
-              for mine, b, start in zip(owned, ex.buckets, starts)]
+      block = _member_slice(
+          plan.leaves[run.leaf], run.split_dim, ex.team_size, w % ex.team_size
+      )[::unit]
+      parts += [
+          np.where(
+              block < 0, zero, starts[run.bucket] + j * size + block // unit
+          )
+          for j in run.matrices
+      ]
+    parts += [
+        start
+        + (
+            np.asarray(mine, np.int64)[:, None] * (b.piece_size(g) // unit)
+            + np.arange(b.piece_size(g) // unit)
+        ).reshape(-1)
+        for mine, b, start in zip(owned, ex.buckets, starts)
+    ]
     row = np.concatenate(parts)
-    index[w, :row.size] = row
+    index[w, : row.size] = row
   return index.astype(np.int32), unit
 
 
@@ -211,38 +294,61 @@ def _take_rows(x: jax.Array, order: np.ndarray) -> jax.Array:
   return jnp.take(x, order, axis=0)
 
 
-def _owner_program(ex: Exchange, group: Group, plan: Plan, ns: NSFunction, program,
-                   received: jax.Array) -> jax.Array:
-  """One worker's branch: (g, chunk) received pieces → (g, chunk) pieces of the results."""
+def _owner_program(
+    ex: Exchange,
+    group: Group,
+    plan: Plan,
+    ns: NSFunction,
+    program,
+    received: jax.Array,
+) -> jax.Array:
+  """One worker's branch: (g, chunk) received pieces → (g, chunk) pieces of the
+  results."""
   g, offset, pieces = group.exchange_size, 0, []
   for runs, b in zip(program, ex.buckets):
     n = sum(count for _, count in runs)
     size = n * b.piece_size(g)
-    pieces.append(received[:, offset:offset + size].reshape(g, n, b.piece_size(g)))
+    pieces.append(
+        received[:, offset : offset + size].reshape(g, n, b.piece_size(g))
+    )
     offset += size
   results = _run_program(program, ex, group, plan, ns, pieces)
   reply = jnp.concatenate([r.reshape(g, -1) for r in results], axis=1)
   return jnp.pad(reply, ((0, 0), (0, received.shape[1] - reply.shape[1])))
 
 
-def _team_program(ex: Exchange, group: Group, plan: Plan, ns: NSFunction,
-                  program: TeamProgram, received: jax.Array) -> jax.Array:
-  """One team's branch, the same on each member: (g, T) received blocks → (g, T) blocks
-  of the results. The team's collectives run over X (and R when replicas split the work),
-  grouped in teams of k consecutive workers."""
+def _team_program(
+    ex: Exchange,
+    group: Group,
+    plan: Plan,
+    ns: NSFunction,
+    program: TeamProgram,
+    received: jax.Array,
+) -> jax.Array:
+  """One team's branch, the same on each member: (g, T) received blocks → (g, T)
+  blocks of the results. The team's collectives run over X (and R when replicas
+  split the work), grouped in teams of k consecutive workers."""
   mesh, g, k = dict(plan.mesh_shape), group.exchange_size, ex.team_size
-  team = MeshTeam(group.exchange_axes + (group.replica_axes if group.split else ()),
-                  devices=group.workers, size=k)
+  team = MeshTeam(
+      group.exchange_axes + (group.replica_axes if group.split else ()),
+      devices=group.workers,
+      size=k,
+  )
   out, offset = [], 0
   for bucket_index, leaf_index, split_dim, count in program:
     bucket, leaf = ex.buckets[bucket_index], plan.leaves[leaf_index]
     view = _member_view(leaf, split_dim, k)
     size = count * math.prod(view.piece_shape)
-    blocks = received[:, offset:offset + size].reshape(g, count, -1)
-    mats = _assemble(view, group, mesh, blocks.astype(bucket.dtype), leaf.layout.transposed)
+    blocks = received[:, offset : offset + size].reshape(g, count, -1)
+    mats = _assemble(
+        view, group, mesh, blocks.astype(bucket.dtype), leaf.layout.transposed
+    )
     result = ns(mats, team=team)
-    out.append(_disassemble(view, group, mesh, result, leaf.layout.transposed)
-               .astype(received.dtype).reshape(g, -1))
+    out.append(
+        _disassemble(view, group, mesh, result, leaf.layout.transposed)
+        .astype(received.dtype)
+        .reshape(g, -1)
+    )
     offset += size
   out.append(jnp.zeros((g, received.shape[1] - offset), received.dtype))
   return jnp.concatenate(out, axis=1)
@@ -255,87 +361,136 @@ def _switch(index, branches, operand):
   return jax.lax.switch(index, branches, operand)
 
 
-def _run_stage(units: jax.Array, plan: Plan, ns: NSFunction, group: Group,
-               ex: Exchange) -> tuple[jax.Array, np.ndarray, int]:
-  """Steps 2–6 of ``_run_exchange`` for one stage: this device's pieces out to their
-  owners, NS there, the results back. ``units``: the exchange's stacks in the wire dtype
+def _run_stage(
+    units: jax.Array, plan: Plan, ns: NSFunction, group: Group, ex: Exchange
+) -> tuple[jax.Array, np.ndarray, int]:
+  """Steps 2–6 of ``_run_exchange`` for one stage: this device's pieces out to
+  their
+  owners, NS there, the results back. ``units``: the exchange's stacks in the
+    wire dtype
   as (units, unit) rows, then a unit of zeros.
 
   Returns:
-    (the results as (workers, chunk) rows, as the replicas' all-gather leaves them; where
-    each of their units belongs in the stacks (``buffer_units``); the unit).
+    (the results as (workers, chunk) rows, as the replicas' all-gather leaves
+    them; where each of their units belongs in the stacks (``buffer_units``);
+    the unit).
   """
   g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
   replicas = workers // g
   rep = _index(group.replica_axes) if group.split else 0
   index, unit = buffer_units(ex, plan, g)  # (workers, chunk // unit)
   assert unit == units.shape[1], "the stages of an exchange share its unit"
-  # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to the
-  # busiest worker's; replicas hold the same data, so each sends its own workers' only.
-  send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)  # (g, r, chunk)
-  buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)  # (g, chunk)
+  # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to
+  # the busiest worker's; replicas hold the same data, so each sends its own
+  # workers' only.
+  send = units[index.reshape(g, replicas, -1)].reshape(
+      g, replicas, -1
+  )  # (g, r, chunk)
+  buffer = jax.lax.dynamic_index_in_dim(
+      send, rep, axis=1, keepdims=False
+  )  # (g, chunk)
   # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
   if g > 1:
     buffer = _all_to_all(buffer, x_axes)
-  # 4. Matrices split over teams: each member's columns, NS with its team; each distinct
-  # team program is one switch branch, taken by all of the team's members.
+  # 4. Matrices split over teams: each member's columns, NS with its team; each
+  # distinct team program is one switch branch, taken by all of the team's
+  # members.
   worker = _index(x_axes) * replicas + rep
   team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
   reply = jnp.zeros_like(buffer)
   if team_width:
-    team = _switch(jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
-                   [functools.partial(_team_program, ex, group, plan, ns, p)
-                    for p in ex.team_programs], buffer[:, :team_width])
+    team = _switch(
+        jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
+        [
+            functools.partial(_team_program, ex, group, plan, ns, p)
+            for p in ex.team_programs
+        ],
+        buffer[:, :team_width],
+    )
     reply = reply.at[:, :team_width].set(team)
-  # 5. Whole matrices, NS, pieces again: each distinct program is one switch branch. They
-  # follow the worker's team blocks.
+  # 5. Whole matrices, NS, pieces again: each distinct program is one switch
+  # branch. They follow the worker's team blocks.
   if whole_width:
-    offset = jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
-    padded = jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
+    offset = (
+        jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
+    )
+    padded = (
+        jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
+    )
     whole = jax.lax.dynamic_slice_in_dim(padded, offset, whole_width, axis=1)
-    whole = _switch(jnp.asarray(ex.program_of, np.int32)[worker],
-                    [functools.partial(_owner_program, ex, group, plan, ns, p)
-                     for p in ex.programs], whole)
+    whole = _switch(
+        jnp.asarray(ex.program_of, np.int32)[worker],
+        [
+            functools.partial(_owner_program, ex, group, plan, ns, p)
+            for p in ex.programs
+        ],
+        whole,
+    )
     if team_width:
       reply = jax.lax.dynamic_update_slice_in_dim(
-          jnp.pad(reply, ((0, 0), (0, whole_width))), whole, offset, axis=1)
-      reply = reply[:, :buffer.shape[1]]
+          jnp.pad(reply, ((0, 0), (0, whole_width))), whole, offset, axis=1
+      )
+      reply = reply[:, : buffer.shape[1]]
     else:
       reply = whole
   buffer = reply
-  # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's matrices; the
-  # replicas' results are all-gathered.
+  # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's
+  # matrices; the replicas' results are all-gathered.
   if g > 1:
     buffer = _all_to_all(buffer, x_axes)
   if group.split:
-    buffer = jax.lax.all_gather(buffer, group.replica_axes, axis=1)  # (g, r, chunk)
+    buffer = jax.lax.all_gather(
+        buffer, group.replica_axes, axis=1
+    )  # (g, r, chunk)
   return buffer.reshape(-1, unit), index, unit
 
 
-def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Group,
-                  stages: tuple[Exchange, ...], out: list) -> None:
-  """Orthogonalizes the matrices of an exchange (in ``stages``, one all-to-all each way
-  per stage); fills ``out``."""
+def _run_exchange(
+    blocks: list[jax.Array],
+    plan: Plan,
+    ns: NSFunction,
+    group: Group,
+    stages: tuple[Exchange, ...],
+    out: list,
+) -> None:
+  """Orthogonalizes the matrices of an exchange (in ``stages``, one all-to-all
+  each way per stage); fills ``out``."""
   ex = stages[0]
   # 1. Each bucket's local matrices, one piece each: (K, L).
-  stacks = [jnp.concatenate([_local_matrices(plan.leaves[i], blocks[i]) for i in b.members])
-            for b in ex.buckets]
-  if group.workers == 1:  # the trivial plan: every matrix whole, here, in its program's order
+  stacks = [
+      jnp.concatenate(
+          [_local_matrices(plan.leaves[i], blocks[i]) for i in b.members]
+      )
+      for b in ex.buckets
+  ]
+  if (
+      group.workers == 1
+  ):  # the trivial plan: every matrix whole, here, in its program's order
     order = [np.asarray(owned, np.int64) for owned in ex.owned[0]]
-    results = _run_program(ex.programs[0], ex, group, plan, ns,
-                           [_take_rows(s, o)[None] for s, o in zip(stacks, order)])
+    results = _run_program(
+        ex.programs[0],
+        ex,
+        group,
+        plan,
+        ns,
+        [_take_rows(s, o)[None] for s, o in zip(stacks, order)],
+    )
     rows = [_take_rows(r[0], np.argsort(o)) for r, o in zip(results, order)]
   else:
-    # 2.–6. per stage; stage s + 1's all-to-all depends only on the stacks, so the
-    # scheduler may run it beside stage s's NS.
-    # The stacks in the wire dtype, cut into units, and a unit of zeros for padding.
+    # 2.–6. per stage; stage s + 1's all-to-all depends only on the stacks, so
+    # the scheduler may run it beside stage s's NS.
+    # The stacks in the wire dtype, cut into units, and a unit of zeros for
+    # padding.
     wire = jnp.dtype(plan.wire_dtype or jnp.result_type(*stacks))
     unit = _exchange_unit(ex, plan, group.exchange_size)
-    units = jnp.concatenate([s.astype(wire).reshape(-1) for s in stacks]
-                            + [jnp.zeros((unit,), wire)]).reshape(-1, unit)
+    units = jnp.concatenate(
+        [s.astype(wire).reshape(-1) for s in stacks]
+        + [jnp.zeros((unit,), wire)]
+    ).reshape(-1, unit)
     done = [_run_stage(units, plan, ns, group, stage) for stage in stages]
     unit = done[0][2]
-    # 7. Every piece back to its place in the stacks: the inverse of step 2's gathers.
+    # 7. Every piece back to its place in the stacks: the inverse of step 2's
+    # gathers.
     size = sum(s.size for s in stacks) // unit
     inverse = np.full(size, -1, np.int64)
     offset = 0
@@ -344,32 +499,41 @@ def _run_exchange(blocks: list[jax.Array], plan: Plan, ns: NSFunction, group: Gr
       inverse[index[valid]] = offset + np.flatnonzero(valid)
       offset += buffer.shape[0]
     assert (inverse >= 0).all(), "every matrix is orthogonalized in some stage"
-    results = done[0][0] if len(done) == 1 else jnp.concatenate([d[0] for d in done])
+    results = (
+        done[0][0] if len(done) == 1 else jnp.concatenate([d[0] for d in done])
+    )
     pieces = results[inverse.astype(np.int32)].reshape(-1)
     starts = np.cumsum([0] + [s.size for s in stacks])
-    rows = [pieces[a:b].reshape(s.shape) for s, a, b in zip(stacks, starts[:-1], starts[1:])]
+    rows = [
+        pieces[a:b].reshape(s.shape)
+        for s, a, b in zip(stacks, starts[:-1], starts[1:])
+    ]
   # 8. The leaves' local blocks.
   for b, r in zip(ex.buckets, rows):
     start = 0
     for i in b.members:
       count = plan.leaves[i].local_batch
-      out[i] = _local_block(plan.leaves[i], r[start:start + count]).astype(blocks[i].dtype)
+      out[i] = _local_block(plan.leaves[i], r[start : start + count]).astype(
+          blocks[i].dtype
+      )
       start += count
 
 
-def _orthogonalize_local(blocks: list[jax.Array], plan: Plan, ns: NSFunction,
-                         groups: list[Group]) -> list[jax.Array | None]:
+def _orthogonalize_local(
+    blocks: list[jax.Array], plan: Plan, ns: NSFunction, groups: list[Group]
+) -> list[jax.Array | None]:
   """The per-device program of ``groups``.
 
   Args:
-    blocks: this device's local block of each Muon leaf (``plan.leaves`` order); only
-      those of ``groups`` are read.
+    blocks: this device's local block of each Muon leaf (``plan.leaves`` order);
+      only those of ``groups`` are read.
     plan: the plan.
     ns: Newton–Schulz of a stack of matrices.
     groups: the groups to run.
 
   Returns:
-    The local blocks of the orthogonalized leaves of ``groups``, None for the others.
+    The local blocks of the orthogonalized leaves of ``groups``, None for the
+    others.
   """
   out: list[jax.Array | None] = [None] * len(blocks)
   for group in groups:
@@ -378,18 +542,20 @@ def _orthogonalize_local(blocks: list[jax.Array], plan: Plan, ns: NSFunction,
   return out
 
 
-def orthogonalize(xs: list[jax.Array], spec: MuonTreeSpec, ns: NSFunction) -> list[jax.Array]:
+def orthogonalize(
+    xs: list[jax.Array], spec: MuonTreeSpec, ns: NSFunction
+) -> list[jax.Array]:
   """NS of every matrix of every Muon leaf, by the spec's plan.
 
   Args:
-    xs: the NS inputs, one per Muon leaf (``spec.muon_positions`` order): global arrays, or
-      local blocks inside ``shard_map``.
+    xs: the NS inputs, one per Muon leaf (``spec.muon_positions`` order): global
+      arrays, or local blocks inside ``shard_map``.
     spec: the tree's spec.
     ns: Newton–Schulz of a (batch, m, n) stack, m ≤ n.
 
   Returns:
-    The orthogonalized leaves (or local blocks), same shapes and dtypes as ``xs``; leaves
-    with no elements come back as they are.
+    The orthogonalized leaves (or local blocks), same shapes and dtypes as
+    ``xs``; leaves with no elements come back as they are.
   """
   out = list(xs)
   if spec.plan is None:  # no Muon leaf with an element
@@ -400,10 +566,11 @@ def orthogonalize(xs: list[jax.Array], spec: MuonTreeSpec, ns: NSFunction) -> li
   return out
 
 
-def _run_plan(xs: list[jax.Array], plan: Plan, ns: NSFunction, manual: bool
-              ) -> list[jax.Array]:
-  """NS of the leaves ``xs`` (``plan.leaves`` order) by ``plan``; ``manual``: inside a
-  ``shard_map`` (collectives by axis name on local blocks)."""
+def _run_plan(
+    xs: list[jax.Array], plan: Plan, ns: NSFunction, manual: bool
+) -> list[jax.Array]:
+  """NS of the leaves ``xs`` (``plan.leaves`` order) by ``plan``; ``manual``:
+  inside a ``shard_map`` (collectives by axis name on local blocks)."""
   trivial = [g for g in plan.groups if not g.sharded]
   sharded = [g for g in plan.groups if g.sharded]
   out = _orthogonalize_local(xs, plan, ns, trivial)
@@ -421,10 +588,11 @@ def _run_plan(xs: list[jax.Array], plan: Plan, ns: NSFunction, manual: bool
       result = _orthogonalize_local(local, plan, ns, sharded)
       return tuple(result[i] for i in index)
 
-    # check_vma=False: an all-gather's result is the same on every replica (as the
-    # out_specs say), but JAX's type system marks it as varying.
-    results = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs,
-                            check_vma=False)(*(xs[i] for i in index))
+    # check_vma=False: an all-gather's result is the same on every replica (as
+    # the out_specs say), but JAX's type system marks it as varying.
+    results = jax.shard_map(
+        body, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False
+    )(*(xs[i] for i in index))
     done = [None] * len(xs)
     for i, y in zip(index, results):
       done[i] = y

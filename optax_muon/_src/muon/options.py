@@ -1,6 +1,6 @@
-"""Muon's own options: how Newton–Schulz runs (``NSOptions``), NorMuon (``NorMuon``), and
-``MuonOptions``, the static options of one Muon transformation (the shared ``TreeOptions``
-and Muon's own)."""
+"""Muon's own options: how Newton–Schulz runs (``NSOptions``), NorMuon
+(``NorMuon``), and ``MuonOptions``, the static options of one Muon
+transformation (the shared ``TreeOptions`` and Muon's own)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from optax_muon._src.core.options import check_choice, check_number, dtype_or_none
+from optax_muon._src.core.options import (
+    check_choice,
+    check_number,
+    dtype_or_none,
+)
 from optax_muon._src.core.spec import TreeOptions
 from optax_muon._src.muon.costs import GRAM_RESTART, METHODS, matrix_flops
 
-#: Platforms where ``NSOptions(compute_dtype="auto")`` runs Newton–Schulz in bfloat16.
+#: Platforms where ``NSOptions(compute_dtype="auto")`` runs Newton–Schulz in
+#: bfloat16.
 ACCELERATORS = ("tpu", "gpu")
 
 
@@ -25,16 +30,18 @@ class NSOptions:
   """How Newton–Schulz runs (the coefficients are ``ns_coeffs``/``ns_steps``).
 
   Attributes:
-    compute_dtype: dtype of the NS matrix products: ``"auto"`` (bfloat16 operands with
-      float32 accumulation on TPUs and GPUs, the input's dtype — the momentum's, float32
-      for 16-bit params — elsewhere), a dtype (``jnp.float32``: full-precision products on
-      every backend), or ``None`` (the input's dtype everywhere).
-    method: ``"standard"``, ``"gram"`` (the iteration carried out on the short side's Gram
-      matrix, restarted every ``gram_restart`` steps) or ``"auto"`` (Gram where it needs
-      fewer FLOPs and the products run in float32 or wider; see ``newton_schulz``).
+    compute_dtype: dtype of the NS matrix products: ``"auto"`` (bfloat16
+      operands with float32 accumulation on TPUs and GPUs, the input's dtype —
+      the momentum's, float32 for 16-bit params — elsewhere), a dtype
+      (``jnp.float32``: full-precision products on every backend), or ``None``
+        (the input's dtype everywhere).
+    method: ``"standard"``, ``"gram"`` (the iteration carried out on the short
+      side's Gram matrix, restarted every ``gram_restart`` steps) or ``"auto"``
+      (Gram where it needs fewer FLOPs and the products run in float32 or wider;
+      see ``newton_schulz``).
     gram_restart: steps between Gram restarts, a positive integer.
-    stack_same_shape: run same-shape matrices (short side first) as one batched NS call
-      instead of one call per leaf.
+    stack_same_shape: run same-shape matrices (short side first) as one batched
+      NS call instead of one call per leaf.
 
   Examples:
     >>> import jax.numpy as jnp, optax_muon
@@ -43,7 +50,8 @@ class NSOptions:
     >>> optax_muon.NSOptions(method="fast")
     Traceback (most recent call last):
     ...
-    ValueError: NSOptions.method must be one of ('standard', 'gram', 'auto'), got 'fast'.
+    ValueError: NSOptions.method must be one of ('standard', 'gram', 'auto'),
+      got 'fast'.
   """
 
   compute_dtype: Any = "auto"
@@ -52,13 +60,22 @@ class NSOptions:
   stack_same_shape: bool = True
 
   def __post_init__(self):
-    if not (isinstance(self.compute_dtype, str) and self.compute_dtype == "auto"):
-      object.__setattr__(self, "compute_dtype", dtype_or_none(self.compute_dtype))
+    if not (
+        isinstance(self.compute_dtype, str) and self.compute_dtype == "auto"
+    ):
+      object.__setattr__(
+          self, "compute_dtype", dtype_or_none(self.compute_dtype)
+      )
     check_choice("NSOptions", "method", self.method, METHODS)
-    if (isinstance(self.gram_restart, bool) or not isinstance(self.gram_restart, int)
-        or self.gram_restart < 1):
-      raise ValueError(f"NSOptions.gram_restart must be a positive integer, got "
-                       f"{self.gram_restart!r}.")
+    if (
+        isinstance(self.gram_restart, bool)
+        or not isinstance(self.gram_restart, int)
+        or self.gram_restart < 1
+    ):
+      raise ValueError(
+          "NSOptions.gram_restart must be a positive integer, got "
+          f"{self.gram_restart!r}."
+      )
 
   def resolved(self, platform: str) -> NSOptions:
     """These options with ``compute_dtype`` settled for devices of ``platform``
@@ -66,19 +83,21 @@ class NSOptions:
     if not isinstance(self.compute_dtype, str):
       return self
     return dataclasses.replace(
-        self, compute_dtype=jnp.bfloat16 if platform in ACCELERATORS else None)
+        self, compute_dtype=jnp.bfloat16 if platform in ACCELERATORS else None
+    )
 
   def flops(self, m: int, n: int, dtype: Any, steps: int, team: int = 1) -> int:
-    """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these options, on
-    each member of a team of ``team`` devices, on the default backend's devices
-    (``costs.matrix_flops``)."""
+    """NS FLOPs of ``steps`` steps on one m × n matrix of ``dtype`` under these
+    options, on each member of a team of ``team`` devices, on the default
+    backend's devices (``costs.matrix_flops``)."""
     return matrix_flops(self, m, n, dtype, steps, team)
 
 
 @dataclasses.dataclass(frozen=True)
 class NorMuon:
-  """NorMuon: after Newton–Schulz, each output neuron's update is divided by the root of an
-  EMA of its mean square, then the matrix gets its Frobenius norm back (see ``normuon``).
+  """NorMuon: after Newton–Schulz, each output neuron's update is divided by the
+  root of an EMA of its mean square, then the matrix gets its Frobenius norm
+  back (see ``normuon``).
 
   Attributes:
     beta: β₂ of the second-moment EMA, in [0, 1).
@@ -92,7 +111,6 @@ class NorMuon:
 
   def __post_init__(self):
     check_number("NorMuon.beta", self.beta, 0.0, 1.0)
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,6 @@
-"""Muon's view of a tree's spec: the shared ``TreeSpec`` with Newton–Schulz's options
-settled for the devices, the cost model, and the orthogonalization plan."""
+"""Muon's view of a tree's spec: the shared ``TreeSpec`` with Newton–Schulz's
+options settled for the devices, the cost model, and the orthogonalization
+plan."""
 
 from __future__ import annotations
 
@@ -23,46 +24,62 @@ from optax_muon._src.muon.plan.stages import choose_stages
 class MuonTreeSpec(TreeSpec):
   """A ``TreeSpec`` made under ``MuonOptions``, with what Muon derives from it.
 
-  ``plan`` is the orthogonalization plan of the Muon leaves with at least one element (None
-  when there are none); for each of ``plan.leaves``, ``planned`` gives its index among the
-  Muon leaves (``muon_positions``).
+  ``plan`` is the orthogonalization plan of the Muon leaves with at least one
+  element (None when there are none); for each of ``plan.leaves``, ``planned``
+  gives its index among the Muon leaves (``muon_positions``).
   """
 
   options: MuonOptions
 
   @functools.cached_property
   def plan(self) -> Plan | None:
-    """Built on first use (``scale_by_shape`` and the placement of state never need it)."""
+    """Built on first use (``scale_by_shape`` and the placement of state never
+    need it)."""
     if not self.planned:
       return None
     muon = [self.leaves[self.muon_positions[k]] for k in self.planned]
-    cost = functools.partial(costs.matrix_flops, self.ns, steps=self.options.ns_steps)
-    team_cost = functools.partial(costs.team_cost, self.ns, steps=self.options.ns_steps)
-    sharding = dataclasses.replace(self.options.sharding, cost_model=self.cost_model)
-    plan = build_plan([l.layout for l in muon], [l.sharding for l in muon], cost, sharding,
-                      stack=self.options.ns.stack_same_shape, team_cost=team_cost)
+    cost = functools.partial(
+        costs.matrix_flops, self.ns, steps=self.options.ns_steps
+    )
+    team_cost = functools.partial(
+        costs.team_cost, self.ns, steps=self.options.ns_steps
+    )
+    sharding = dataclasses.replace(
+        self.options.sharding, cost_model=self.cost_model
+    )
+    plan = build_plan(
+        [l.layout for l in muon],
+        [l.sharding for l in muon],
+        cost,
+        sharding,
+        stack=self.options.ns.stack_same_shape,
+        team_cost=team_cost,
+    )
     return choose_stages(plan, self.cost_model, sharding.exchange_stages)
 
   @functools.cached_property
   def ns(self) -> NSOptions:
-    """``options.ns`` settled for the devices the NS runs on: those of the mesh (concrete
-    or a topology's), else the default backend's."""
+    """``options.ns`` settled for the devices the NS runs on: those of the mesh
+    (concrete or a topology's), else the default backend's."""
     devices = profiles.mesh_devices(self.mesh)
-    return self.options.ns.resolved(devices[0].platform if devices else
-                                    jax.default_backend())
+    return self.options.ns.resolved(
+        devices[0].platform if devices else jax.default_backend()
+    )
 
   @functools.cached_property
   def cost_model(self) -> profiles.CostModel:
-    """The plan's cost model: ``ShardingOptions.cost_model``, else the profile of the
-    devices of the Muon leaves' mesh (``profiles.profile_of``; of ``jax.devices()`` for an
-    abstract mesh, which has none), at the NS compute dtype's throughput."""
+    """The plan's cost model: ``ShardingOptions.cost_model``, else the profile
+    of the devices of the Muon leaves' mesh (``profiles.profile_of``; of
+    ``jax.devices()`` for an abstract mesh, which has none), at the NS compute
+    dtype's throughput."""
     model = self.options.sharding.cost_model or profiles.default_cost_model(
-        profiles.mesh_devices(self.mesh))
+        profiles.mesh_devices(self.mesh)
+    )
     dtypes = [l.dtype for l in self.muon_leaves]
-    compute = self.ns.compute_dtype or (max(dtypes, key=lambda d: d.itemsize)
-                                        if dtypes else np.float32)
+    compute = self.ns.compute_dtype or (
+        max(dtypes, key=lambda d: d.itemsize) if dtypes else np.float32
+    )
     return model.for_dtype(compute)
-
 
 
 def muon_tree_spec(tree: Any, options: MuonOptions) -> MuonTreeSpec:
@@ -72,4 +89,6 @@ def muon_tree_spec(tree: Any, options: MuonOptions) -> MuonTreeSpec:
     ValueError: as ``tree_spec``.
   """
   spec = tree_spec(tree, options)
-  return MuonTreeSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+  return MuonTreeSpec(
+      **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+  )

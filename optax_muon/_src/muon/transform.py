@@ -1,5 +1,5 @@
-"""``scale_by_muon``: momentum → Newton–Schulz → (NorMuon) → (⟨n, O⟩); ``muon``'s Muon
-branch chains it with ``scale_by_shape`` (``core.scaling``)."""
+"""``scale_by_muon``: momentum → Newton–Schulz → (NorMuon) → (⟨n, O⟩);
+``muon``'s Muon branch chains it with ``scale_by_shape`` (``core.scaling``)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,24 @@ from optax_muon._src.core.sharding import placement_of, zeros
 from optax_muon._src.core.spec import branch_options
 from optax_muon._src.core.tree_utils import check_same_shapes
 from optax_muon._src.core.user_warnings import OncePerTransformation
-from optax_muon._src.muon.coefficients import (CoefficientsLike, NSCoefficients,
-                                               resolve_coefficients)
+from optax_muon._src.muon.coefficients import (
+    CoefficientsLike,
+    NSCoefficients,
+    resolve_coefficients,
+)
 from optax_muon._src.muon.executor import orthogonalize
 from optax_muon._src.muon.momentum import momentum_step
-from optax_muon._src.muon.newton_schulz import PRECONDITIONINGS, orthogonalize_block
+from optax_muon._src.muon.newton_schulz import (
+    PRECONDITIONINGS,
+    orthogonalize_block,
+)
 from optax_muon._src.muon.normuon import init_moment, normalize_neurons
-from optax_muon._src.muon.options import MOMENTUM_KINDS, MuonOptions, NorMuon, NSOptions
+from optax_muon._src.muon.options import (
+    MOMENTUM_KINDS,
+    MuonOptions,
+    NorMuon,
+    NSOptions,
+)
 from optax_muon._src.core.options import ShardingOptions
 from optax_muon._src.muon.report import MuonReport
 from optax_muon._src.muon.spec import muon_tree_spec
@@ -35,11 +46,12 @@ class MuonState(NamedTuple):
   """State of ``scale_by_muon``."""
 
   count: jax.Array  # shape=(), dtype=int32; steps taken.
-  # The momentum: the params' tree and shapes; dtype mu_dtype if given, else the params'
-  # (float32 for 16-bit params).
+  # The momentum: the params' tree and shapes; dtype mu_dtype if given, else the
+  # params' (float32 for 16-bit params).
   mu: optax.Updates
-  # NorMuon's per-neuron second moments: the params' tree, each leaf's shape with its input
-  # axes 1, float32 (float64 for float64 leaves); None without NorMuon.
+  # NorMuon's per-neuron second moments: the params' tree, each leaf's shape
+  # with its input axes 1, float32 (float64 for float64 leaves); None without
+  # NorMuon.
   nu: optax.Updates | None = None
 
 
@@ -67,69 +79,114 @@ class MuonHyperparams:
   adaptive: bool = False
 
 
+def muon_direction(
+    options: MuonOptions,
+    hyper: MuonHyperparams,
+    warnings: OncePerTransformation | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Muon's direction for every leaf it receives: momentum, NS, NorMuon, ⟨n, O⟩,
+  in order.
 
-
-def muon_direction(options: MuonOptions, hyper: MuonHyperparams,
-                   warnings: OncePerTransformation | None = None
-                   ) -> optax.GradientTransformationExtraArgs:
-  """Muon's direction for every leaf it receives: momentum, NS, NorMuon, ⟨n, O⟩, in order.
-
-  ``options.routing`` is not applied here (``muon`` routes with ``optax.partition``);
-  ``init`` reports ``options`` whole, so that ``summarize`` can show the routing, and
-  issues the spec's warnings through ``warnings`` (``muon`` issues its own).
+  ``options.routing`` is not applied here (``muon`` routes with
+  ``optax.partition``); ``init`` reports ``options`` whole, so that
+  ``summarize`` can show the routing, and issues the spec's warnings through
+  ``warnings`` (``muon`` issues its own).
   """
   received = branch_options(options)
-  ns = functools.partial(orthogonalize_block, table=hyper.coefficients,
-                         preconditioning=hyper.preconditioning, method=options.ns.method,
-                         gram_restart=options.ns.gram_restart)
+  ns = functools.partial(
+      orthogonalize_block,
+      table=hyper.coefficients,
+      preconditioning=hyper.preconditioning,
+      method=options.ns.method,
+      gram_restart=options.ns.gram_restart,
+  )
 
   def init_fn(params):
     report(MuonReport(options))
-    spec = muon_tree_spec(params, received)  # validates every leaf now, not at the first update
+    spec = muon_tree_spec(
+        params, received
+    )  # validates every leaf now, not at the first update
     if warnings is not None:
       warnings.warn(spec.notices)
     leaves, muon = spec.take(params), spec.muon_leaves
-    placements = [placement_of(x, leaf.sharding) for x, leaf in zip(leaves, muon)]
-    mu = [zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), where, x)
-          for x, where in zip(leaves, placements)]
+    placements = [
+        placement_of(x, leaf.sharding) for x, leaf in zip(leaves, muon)
+    ]
+    mu = [
+        zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), where, x)
+        for x, where in zip(leaves, placements)
+    ]
     nu = None
     if options.normalization is not None:
-      nu = spec.put(params, [
-          init_moment(x.shape, leaf.layout.reduction_axes,
-                      moment_dtype(jnp.finfo(x.dtype).dtype), where, x)
-          for x, leaf, where in zip(leaves, muon, placements)])
+      nu = spec.put(
+          params,
+          [
+              init_moment(
+                  x.shape,
+                  leaf.layout.reduction_axes,
+                  moment_dtype(jnp.finfo(x.dtype).dtype),
+                  where,
+                  x,
+              )
+              for x, leaf, where in zip(leaves, muon, placements)
+          ],
+      )
     return MuonState(jnp.zeros([], jnp.int32), spec.put(params, mu), nu)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    check_same_shapes(updates, state.mu, "the optimizer state (made from the params)")
+    check_same_shapes(
+        updates, state.mu, "the optimizer state (made from the params)"
+    )
     spec = muon_tree_spec(updates, received)
     muon, grads = spec.muon_leaves, spec.take(updates)
     count = optax.safe_increment(state.count)
     # 1. Momentum, and the NS input n = n_scale·n'.
-    mu, n, n_scale = momentum_step(grads, spec.take(state.mu), count, hyper.beta,
-                                   hyper.momentum, hyper.nesterov)
+    mu, n, n_scale = momentum_step(
+        grads,
+        spec.take(state.mu),
+        count,
+        hyper.beta,
+        hyper.momentum,
+        hyper.nesterov,
+    )
     # 2. Orthogonalize: O = NS(n'), each whole matrix on one device.
-    o = orthogonalize(n, spec, functools.partial(ns, compute_dtype=spec.ns.compute_dtype))
+    o = orthogonalize(
+        n, spec, functools.partial(ns, compute_dtype=spec.ns.compute_dtype)
+    )
     # 3. Normalize (NorMuon): per output neuron.
     nu = state.nu
     if options.normalization is not None:
-      pairs = [normalize_neurons(x, v, options.normalization.beta, leaf.layout, leaf.sharding)
-               for x, v, leaf in zip(o, spec.take(nu), muon)]
+      pairs = [
+          normalize_neurons(
+              x, v, options.normalization.beta, leaf.layout, leaf.sharding
+          )
+          for x, v, leaf in zip(o, spec.take(nu), muon)
+      ]
       o, nu = [x for x, _ in pairs], spec.put(nu, [v for _, v in pairs])
-    # 4. Scale by ⟨n, O⟩ with ``adaptive`` (the shape factor is ``scale_by_shape``'s).
+    # 4. Scale by ⟨n, O⟩ with ``adaptive`` (the shape factor is
+    # ``scale_by_shape``'s).
     if hyper.adaptive:
-      o = [n_scale * dual_norm_scale(x, y, leaf.sharding) * x for x, y, leaf in zip(o, n, muon)]
+      o = [
+          n_scale * dual_norm_scale(x, y, leaf.sharding) * x
+          for x, y, leaf in zip(o, n, muon)
+      ]
     out = [x.astype(g.dtype) for x, g in zip(o, grads)]
     return spec.put(updates, out), MuonState(count, spec.put(state.mu, mu), nu)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def resolve_muon_arguments(ns_coeffs: CoefficientsLike, ns_steps: int | None, beta: Any,
-                           eps: Any, momentum: str, preconditioning: str
-                           ) -> NSCoefficients:
-  """Checks the arguments ``scale_by_muon`` and ``muon`` share; returns the NS schedule.
+def resolve_muon_arguments(
+    ns_coeffs: CoefficientsLike,
+    ns_steps: int | None,
+    beta: Any,
+    eps: Any,
+    momentum: str,
+    preconditioning: str,
+) -> NSCoefficients:
+  """Checks the arguments ``scale_by_muon`` and ``muon`` share; returns the NS
+  schedule.
 
   Raises:
     ValueError: naming the argument.
@@ -137,19 +194,23 @@ def resolve_muon_arguments(ns_coeffs: CoefficientsLike, ns_steps: int | None, be
   for name, value in (("ns_steps", ns_steps), ("eps", eps)):
     if isinstance(value, jax.core.Tracer):
       raise ValueError(
-          f"{name} is traced, but it fixes the Newton–Schulz schedule when the optimizer is "
-          "built. optax.inject_hyperparams turns numbers into arrays: name it static, "
-          "optax.inject_hyperparams(optax_muon.muon, static_args=('ns_steps', 'eps'))(...).")
+          f"{name} is traced, but it fixes the Newton–Schulz schedule when the"
+          " optimizer is built. optax.inject_hyperparams turns numbers into"
+          " arrays: name it static, optax.inject_hyperparams(optax_muon.muon,"
+          " static_args=('ns_steps', 'eps'))(...)."
+      )
   check_number("beta", beta, 0.0, 1.0)
   check_number("eps", eps, 0.0)
   if momentum not in MOMENTUM_KINDS:
-    raise ValueError(f"momentum must be one of {MOMENTUM_KINDS}, got {momentum!r}.")
+    raise ValueError(
+        f"momentum must be one of {MOMENTUM_KINDS}, got {momentum!r}."
+    )
   if preconditioning not in PRECONDITIONINGS:
-    raise ValueError(f"preconditioning must be one of {PRECONDITIONINGS}, got "
-                     f"{preconditioning!r}.")
+    raise ValueError(
+        f"preconditioning must be one of {PRECONDITIONINGS}, got "
+        f"{preconditioning!r}."
+    )
   return resolve_coefficients(ns_coeffs, ns_steps, eps)
-
-
 
 
 def scale_by_muon(
@@ -171,46 +232,55 @@ def scale_by_muon(
 ) -> optax.GradientTransformationExtraArgs:
   """Muon's direction: orthogonalized momentum.
 
-  Takes every argument of ``optax.contrib.scale_by_muon``, in its order and with its
-  meaning (no shape factor: chain ``scale_by_shape`` for it, as ``muon`` does); the
-  options after ``weight_dimension_numbers`` are this package's. Every array leaf it
-  receives is orthogonalized (use ``muon`` or ``optax.partition`` to route other leaves
-  elsewhere). Per leaf, with g the gradient::
+  Takes every argument of ``optax.contrib.scale_by_muon``, in its order and with
+  its
+  meaning (no shape factor: chain ``scale_by_shape`` for it, as ``muon`` does);
+    the
+  options after ``weight_dimension_numbers`` are this package's. Every array
+  leaf it receives is orthogonalized (use ``muon`` or ``optax.partition`` to
+  route other leaves elsewhere). Per leaf, with g the gradient::
 
-    m ← β·m + (1−β)·g;  n = (1−β)·g + β·m     (Nesterov; n = m without; see ``momentum``)
-    O = NS(n)                                 (each whole matrix on one device)
-    O ← NorMuon(O)                            (with ``normalization=NorMuon()``)
-    update = O  (· ⟨n, O⟩ with ``adaptive``)
+    m ← β·m + (1−β)·g;  n = (1−β)·g + β·m     (Nesterov; n = m without; see
+    ``momentum``) O = NS(n)                                 (each whole matrix
+    on one device) O ← NorMuon(O)                            (with
+    ``normalization=NorMuon()``) update = O  (· ⟨n, O⟩ with ``adaptive``)
 
   Args:
-    ns_coeffs: NS coefficients: a preset name (``"jordan"`` = optax's ``"standard"``,
-      ``"polar_express"``, ``"deepseek_v4"``, ``"dion"``, ``"modded_nanogpt"``), an
-      ``(a, b, c)`` triple, a table of triples (see ``resolve_coefficients``).
+    ns_coeffs: NS coefficients: a preset name (``"jordan"`` = optax's
+      ``"standard"``, ``"polar_express"``, ``"deepseek_v4"``, ``"dion"``,
+      ``"modded_nanogpt"``), an ``(a, b, c)`` triple, a table of triples (see
+      ``resolve_coefficients``).
     ns_steps: NS steps; ``None`` takes the preset's own count.
     beta: momentum decay, in [0, 1).
     eps: overrides the preset's normalization epsilon.
-    mu_dtype: dtype of the stored momentum; ``None`` keeps the params' dtype, except
-      float32 for 16-bit params.
+    mu_dtype: dtype of the stored momentum; ``None`` keeps the params' dtype,
+      except float32 for 16-bit params.
     nesterov: use the Nesterov look-ahead.
-    adaptive: multiply each leaf's update by ⟨n, NS(n)⟩ = Σ conj(n)·NS(n) (the dual-norm
-      scaling of Bernstein & Newhouse; per leaf, as ``optax.contrib``).
+    adaptive: multiply each leaf's update by ⟨n, NS(n)⟩ = Σ conj(n)·NS(n) (the
+      dual-norm scaling of Bernstein & Newhouse; per leaf, as
+      ``optax.contrib``).
     preconditioning: the scaling before the first NS step: ``"frobenius"``,
       ``"spectral"``, ``"aol"`` or ``"schatten"`` (see ``newton_schulz``).
-    weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf: a tree, prefix tree,
-      single value or callable ``updates -> tree``; ``None`` entries mean a plain 2-D
-      ``x @ W`` matrix.
+    weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf: a tree, prefix
+      tree, single value or callable ``updates -> tree``; ``None`` entries mean
+      a plain 2-D ``x @ W`` matrix.
     momentum: ``"ema"`` (optax.contrib: bias-corrected), ``"ema_uncorrected"``
       (KellerJordan/Muon's reference) or ``"sum"`` (Moonlight, DeepSeek-V4); see
       ``optax_muon._src.muon.momentum``.
-    ns_options: how NS runs (``NSOptions``: compute dtype, method, Gram restarts).
-    normalization: ``NorMuon(beta)`` for NorMuon, or None. Adds the state field ``nu``.
-    param_shardings: for Auto meshes and ``shard_map`` train steps, the params' shardings:
-      a tree or prefix tree of ``NamedSharding`` or ``PartitionSpec`` (resolved against
-      the mesh set with ``jax.set_mesh``), as a pure dict, an ``nnx.State``, the output of
-      ``nnx.get_named_sharding`` or of linen's ``nn.get_sharding`` /
-      ``nn.logical_to_mesh_sharding``. On Explicit meshes the leaves' types carry their
-      shardings and this may stay ``None``. Sharded leaves are orthogonalized by the plan
-      (``optax_muon._src.muon.plan``): each matrix on one device, or on a team of devices where the
+    ns_options: how NS runs (``NSOptions``: compute dtype, method, Gram
+      restarts).
+    normalization: ``NorMuon(beta)`` for NorMuon, or None. Adds the state field
+      ``nu``.
+    param_shardings: for Auto meshes and ``shard_map`` train steps, the params'
+      shardings: a tree or prefix tree of ``NamedSharding`` or ``PartitionSpec``
+        (resolved against
+      the mesh set with ``jax.set_mesh``), as a pure dict, an ``nnx.State``, the
+      output of ``nnx.get_named_sharding`` or of linen's ``nn.get_sharding`` /
+      ``nn.logical_to_mesh_sharding``. On Explicit meshes the leaves' types
+      carry their shardings and this may stay ``None``. Sharded leaves are
+      orthogonalized by the plan
+      (``optax_muon._src.muon.plan``): each matrix on one device, or on a team
+        of devices where the
       cost model says it pays.
     sharding: how sharded matrices are exchanged (``ShardingOptions``).
 
@@ -218,19 +288,21 @@ def scale_by_muon(
     An ``optax.GradientTransformationExtraArgs`` whose state is a ``MuonState``.
 
   Raises:
-    ValueError: for unknown or out-of-range options (naming the argument), and (at
-      init/update) for leaves Muon cannot take (naming the leaf).
+    ValueError: for unknown or out-of-range options (naming the argument), and
+      (at init/update) for leaves Muon cannot take (naming the leaf).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_muon
     >>> params = {"w": jnp.zeros((16, 64))}
-    >>> tx = optax.chain(optax_muon.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
-    ...                  optax_muon.scale_by_shape(),
-    ...                  optax.scale_by_learning_rate(0.02))
+    >>> tx = optax.chain(
+    ...     optax_muon.scale_by_muon(ns_coeffs="polar_express", ns_steps=8),
+    ...     optax_muon.scale_by_shape(),
+    ...     optax.scale_by_learning_rate(0.02))
     >>> state = tx.init(params)
     >>> grads = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 64))}
     >>> updates, state = tx.update(grads, state, params)
-    >>> s = jnp.linalg.svd(updates["w"], compute_uv=False)  # all 0.02·sqrt(64/16)
+    >>> # all 0.02·sqrt(64/16)
+    >>> s = jnp.linalg.svd(updates["w"], compute_uv=False)
     >>> bool(jnp.allclose(s, 0.04, rtol=1e-3))
     True
 
@@ -241,22 +313,33 @@ def scale_by_muon(
     Bernstein & Newhouse, `Old Optimizer, New Norm: An Anthology
     <https://arxiv.org/abs/2409.20325>`_, 2024.
 
-    Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application
+    Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their
+      Application
     to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
   """
-  coefficients = resolve_muon_arguments(ns_coeffs, ns_steps, beta, eps, momentum,
-                                        preconditioning)
+  coefficients = resolve_muon_arguments(
+      ns_coeffs, ns_steps, beta, eps, momentum, preconditioning
+  )
   options = MuonOptions(
       ns_steps=coefficients.steps,
       ns=check_option("ns_options", ns_options, NSOptions, NSOptions()),
-      weight_dimension_numbers=weight_dimension_numbers, param_shardings=param_shardings,
-      sharding=check_option("sharding", sharding, ShardingOptions, ShardingOptions()),
-      normalization=check_option("normalization", normalization, NorMuon))
-  return muon_direction(options, MuonHyperparams(
-      coefficients=coefficients, preconditioning=preconditioning, beta=beta,
-      momentum=momentum, nesterov=nesterov, mu_dtype=mu_dtype, adaptive=adaptive),
-      OncePerTransformation())
-
-
-
-
+      weight_dimension_numbers=weight_dimension_numbers,
+      param_shardings=param_shardings,
+      sharding=check_option(
+          "sharding", sharding, ShardingOptions, ShardingOptions()
+      ),
+      normalization=check_option("normalization", normalization, NorMuon),
+  )
+  return muon_direction(
+      options,
+      MuonHyperparams(
+          coefficients=coefficients,
+          preconditioning=preconditioning,
+          beta=beta,
+          momentum=momentum,
+          nesterov=nesterov,
+          mu_dtype=mu_dtype,
+          adaptive=adaptive,
+      ),
+      OncePerTransformation(),
+  )

@@ -2,10 +2,13 @@
 
 One module per concern:
 
-* ``model``: the data model (``LeafPlacement``, ``Bucket``, ``TeamRun``, ``Exchange``,
-  ``Group``, ``Plan``), and the model of exchange, batch and replica axes in words;
-* ``grouping``: each leaf's axes, the groups of leaves that share them, their buckets;
-* ``owners``: which worker orthogonalizes each whole matrix (longest processing time first);
+* ``model``: the data model (``LeafPlacement``, ``Bucket``, ``TeamRun``,
+  ``Exchange``, ``Group``, ``Plan``), and the model of exchange, batch and
+  replica axes in words;
+* ``grouping``: each leaf's axes, the groups of leaves that share them, their
+  buckets;
+* ``owners``: which worker orthogonalizes each whole matrix (longest processing
+  time first);
 * ``redeal``: fewer distinct programs where that costs nothing;
 * ``teams``: which matrices teams of devices share, and the team size;
 * ``exchanges``: each worker's and each team's program;
@@ -13,8 +16,29 @@ One module per concern:
 """
 
 from optax_muon._src.muon.plan.build import build_plan
-from optax_muon._src.muon.plan.model import (Bucket, Exchange, Group, LeafPlacement, Plan, Program, Run,
-                                   TeamProgram, TeamRun, TeamRunKey)
+from optax_muon._src.muon.plan.model import (
+    Bucket,
+    Exchange,
+    Group,
+    LeafPlacement,
+    Plan,
+    Program,
+    Run,
+    TeamProgram,
+    TeamRun,
+    TeamRunKey,
+)
 
-__all__ = ["Bucket", "Exchange", "Group", "LeafPlacement", "Plan", "Program", "Run",
-           "TeamProgram", "TeamRun", "TeamRunKey", "build_plan"]
+__all__ = [
+    "Bucket",
+    "Exchange",
+    "Group",
+    "LeafPlacement",
+    "Plan",
+    "Program",
+    "Run",
+    "TeamProgram",
+    "TeamRun",
+    "TeamRunKey",
+    "build_plan",
+]

@@ -1,9 +1,12 @@
-"""Grouping: each Muon leaf's axes, the groups of leaves that share them, and their buckets.
+"""Grouping: each Muon leaf's axes, the groups of leaves that share them, and
+their buckets.
 
-A leaf's mesh axes split into exchange axes X (they split its matrix dimensions) and
-replica axes R (the leaf is replicated over them); leaves with the same (X, R) form a
-group. Within a group, same-shape matrices (canonical orientation) of one dtype form a
-bucket, and the buckets are cut into exchanges: all of them in one (``"combined"``) or one
+A leaf's mesh axes split into exchange axes X (they split its matrix dimensions)
+and replica axes R (the leaf is replicated over them); leaves with the same (X,
+R) form a group. Within a group, same-shape matrices (canonical orientation) of
+one dtype form a
+bucket, and the buckets are cut into exchanges: all of them in one
+  (``"combined"``) or one
 per bucket (``"per_shape"``).
 """
 
@@ -36,15 +39,20 @@ class ExchangeBuckets(NamedTuple):
 
 
 def mesh_shape_of(shardings: Sequence[LeafSharding | None]) -> MeshShape:
-  """Axis name → size, in mesh order, of the sharded leaves' mesh; empty if none is sharded."""
+  """Axis name → size, in mesh order, of the sharded leaves' mesh; empty if none
+  is sharded."""
   mesh = next((s.mesh for s in shardings if s is not None), None)
   return tuple(mesh.shape.items()) if mesh is not None else ()
 
 
-def place_leaves(layouts: Sequence[MatrixLayout], shardings: Sequence[LeafSharding | None],
-                 cost: Callable[[int, int, Any], int], mesh_shape: MeshShape
-                 ) -> list[LeafPlacement]:
-  """Each leaf's exchange and replica axes, and the NS FLOPs of one of its matrices.
+def place_leaves(
+    layouts: Sequence[MatrixLayout],
+    shardings: Sequence[LeafSharding | None],
+    cost: Callable[[int, int, Any], int],
+    mesh_shape: MeshShape,
+) -> list[LeafPlacement]:
+  """Each leaf's exchange and replica axes, and the NS FLOPs of one of its
+  matrices.
 
   Args:
     layouts: the leaves' global layouts.
@@ -62,16 +70,26 @@ def place_leaves(layouts: Sequence[MatrixLayout], shardings: Sequence[LeafShardi
     if sharding is None:
       placements.append(LeafPlacement(layout, None, (), (), flops))
       continue
-    matrix_axes = {a for d in layout.reduction_axes + layout.output_axes
-                   for a in sharding.dim_axes[d]}
-    placements.append(LeafPlacement(
-        layout, sharding, tuple(a for a in order if a in matrix_axes),
-        tuple(a for a in order if a not in sharding.used_axes), flops))
+    matrix_axes = {
+        a
+        for d in layout.reduction_axes + layout.output_axes
+        for a in sharding.dim_axes[d]
+    }
+    placements.append(
+        LeafPlacement(
+            layout,
+            sharding,
+            tuple(a for a in order if a in matrix_axes),
+            tuple(a for a in order if a not in sharding.used_axes),
+            flops,
+        )
+    )
   return placements
 
 
-def _buckets(placements: list[LeafPlacement], members: list[int], stack: bool
-             ) -> tuple[Bucket, ...]:
+def _buckets(
+    placements: list[LeafPlacement], members: list[int], stack: bool
+) -> tuple[Bucket, ...]:
   """The buckets of one group's leaves ``members``."""
   by_shape: dict[tuple, list[int]] = {}
   for i in members:
@@ -80,27 +98,37 @@ def _buckets(placements: list[LeafPlacement], members: list[int], stack: bool
     by_shape.setdefault(key if stack else key + (i,), []).append(i)
   buckets = []
   for key, idx in by_shape.items():
-    # Members sorted by how their pieces fit together, so that a worker's runs of one
-    # kind are contiguous in the stack (no reordering on a single device).
+    # Members sorted by how their pieces fit together, so that a worker's runs
+    # of one kind are contiguous in the stack (no reordering on a single
+    # device).
     kinds = list(dict.fromkeys(placements[i].signature for i in idx))
     idx = sorted(idx, key=lambda i: kinds.index(placements[i].signature))
-    buckets.append(Bucket(key[:2], key[2], tuple(idx),
-                          sum(placements[i].local_batch for i in idx),
-                          placements[idx[0]].flops))
+    buckets.append(
+        Bucket(
+            key[:2],
+            key[2],
+            tuple(idx),
+            sum(placements[i].local_batch for i in idx),
+            placements[idx[0]].flops,
+        )
+    )
   return tuple(buckets)
 
 
-def group_leaves(placements: list[LeafPlacement], mesh_shape: MeshShape,
-                 options: ShardingOptions, stack: bool
-                 ) -> tuple[list[Group], list[ExchangeBuckets]]:
+def group_leaves(
+    placements: list[LeafPlacement],
+    mesh_shape: MeshShape,
+    options: ShardingOptions,
+    stack: bool,
+) -> tuple[list[Group], list[ExchangeBuckets]]:
   """The groups (without exchanges yet) and the buckets of every exchange.
 
   Args:
     placements: the leaves.
     mesh_shape: the mesh.
     options: the replica policy and the exchange.
-    stack: put same-shape matrices of a group into one bucket; else every leaf is a
-      bucket of its own.
+    stack: put same-shape matrices of a group into one bucket; else every leaf
+      is a bucket of its own.
 
   Returns:
     The groups, and the exchanges of all groups in group order.
@@ -108,13 +136,27 @@ def group_leaves(placements: list[LeafPlacement], mesh_shape: MeshShape,
   size = lambda axes: math.prod(dict(mesh_shape)[a] for a in axes)
   members: dict[tuple, list[int]] = {}
   for i, p in enumerate(placements):
-    members.setdefault((p.exchange_axes, p.replica_axes, p.sharding is not None), []).append(i)
+    members.setdefault(
+        (p.exchange_axes, p.replica_axes, p.sharding is not None), []
+    ).append(i)
   groups, exchanges = [], []
   for (exchange_axes, replica_axes, sharded), idx in members.items():
     buckets = _buckets(placements, idx, stack)
     r = size(replica_axes)
-    groups.append(Group(exchange_axes, replica_axes, size(exchange_axes), r,
-                        options.replica_policy == "split" and r > 1, sharded, buckets, ()))
-    parts = [buckets] if options.exchange == "combined" else [(b,) for b in buckets]
+    groups.append(
+        Group(
+            exchange_axes,
+            replica_axes,
+            size(exchange_axes),
+            r,
+            options.replica_policy == "split" and r > 1,
+            sharded,
+            buckets,
+            (),
+        )
+    )
+    parts = (
+        [buckets] if options.exchange == "combined" else [(b,) for b in buckets]
+    )
     exchanges += [ExchangeBuckets(len(groups) - 1, part) for part in parts]
   return groups, exchanges

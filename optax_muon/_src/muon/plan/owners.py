@@ -1,13 +1,14 @@
-"""Owner choice: which worker orthogonalizes each matrix, longest processing time first, over
-the whole tree at once.
+"""Owner choice: which worker orthogonalizes each matrix, longest processing
+time first, over the whole tree at once.
 
-Matrices in decreasing order of NS FLOPs; each goes to the worker of its group whose busiest
-device has the least load afterwards (a device's load sums over the groups, so a device
-idle in one group takes more work in another). With ``weigh_bytes`` a worker's score is
-max(load ÷ the FLOPs bound, owned elements ÷ the group's fair share), so that no owner's
-chunk grows far beyond the fair share. A matrix of a kind that a ``TeamSplit`` gives to
-teams of k workers is placed the same way, as a member's share (its collectives included)
-on the team of k consecutive workers whose busiest device has the least load afterwards.
+Matrices in decreasing order of NS FLOPs; each goes to the worker of its group
+whose busiest device has the least load afterwards (a device's load sums over
+the groups, so a device idle in one group takes more work in another). With
+``weigh_bytes`` a worker's score is max(load ÷ the FLOPs bound, owned elements ÷
+the group's fair share), so that no owner's chunk grows far beyond the fair
+share. A matrix of a kind that a ``TeamSplit`` gives to teams of k workers is
+placed the same way, as a member's share (its collectives included) on the team
+of k consecutive workers whose busiest device has the least load afterwards.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Ownership(NamedTuple):
   """Who orthogonalizes the local matrices of one exchange.
 
   Attributes:
-    owner: per local matrix (buckets concatenated), its worker; −1 for a matrix that a
-      team orthogonalizes.
+    owner: per local matrix (buckets concatenated), its worker; −1 for a matrix
+      that a team orthogonalizes.
     teams: per team (workers [t·k, (t+1)·k)), its matrices; empty without teams.
   """
 
@@ -79,8 +80,8 @@ class ExchangeMatrices:
 
   Attributes:
     worker: the worker index of every device (flattened mesh).
-    costs, elements, bucket_of: per whole local matrix (buckets concatenated): NS FLOPs,
-      size, bucket.
+    costs, elements, bucket_of: per whole local matrix (buckets concatenated):
+      NS FLOPs, size, bucket.
     caps: per bucket, the most matrices one worker may own.
     owner: per whole local matrix, the chosen worker.
     owned_elements: per worker, the elements it owns (its chunk).
@@ -106,23 +107,47 @@ class ExchangeMatrices:
 
   @property
   def fair_elements(self) -> float:
-    return max(sum(self.elements) / len(self.owned_elements), max(self.elements, default=1))
+    return max(
+        sum(self.elements) / len(self.owned_elements),
+        max(self.elements, default=1),
+    )
 
 
-def _collect(e: int, group: Group, buckets: tuple[Bucket, ...], worker: np.ndarray,
-             spread: bool, split: TeamSplit | None, model: CostModel | None,
-             placements: list[LeafPlacement] | None
-             ) -> tuple[ExchangeMatrices, list[_Item]]:
+def _collect(
+    e: int,
+    group: Group,
+    buckets: tuple[Bucket, ...],
+    worker: np.ndarray,
+    spread: bool,
+    split: TeamSplit | None,
+    model: CostModel | None,
+    placements: list[LeafPlacement] | None,
+) -> tuple[ExchangeMatrices, list[_Item]]:
   """Exchange ``e``'s matrices, and the items that place them."""
   workers = group.workers
-  m = ExchangeMatrices(worker, [], [], [], [], [], np.zeros(workers),
-                       np.zeros((workers, len(buckets))))
+  m = ExchangeMatrices(
+      worker,
+      [],
+      [],
+      [],
+      [],
+      [],
+      np.zeros(workers),
+      np.zeros((workers, len(buckets))),
+  )
   m.team_size = split.size if split else 1
   m.teams = [[] for _ in range(workers // m.team_size)] if split else []
   items = []
   for b, bucket in enumerate(buckets):
-    signature = [placements[i].signature for i in bucket.members
-                 for _ in range(placements[i].local_batch)] if split else []
+    signature = (
+        [
+            placements[i].signature
+            for i in bucket.members
+            for _ in range(placements[i].local_batch)
+        ]
+        if split
+        else []
+    )
     mine = []
     for j in range(bucket.matrices):
       if split and Kind(b, signature[j]) in split.kinds:
@@ -137,7 +162,10 @@ def _collect(e: int, group: Group, buckets: tuple[Bucket, ...], worker: np.ndarr
     m.caps.append(-(-len(mine) // workers) if spread else math.inf)
     m.index += [MatrixRef(b, j) for j in mine]
   m.owner = [0] * len(m.costs)
-  items += [_Item(-c, -size, e, False, j) for j, (c, size) in enumerate(zip(m.costs, m.elements))]
+  items += [
+      _Item(-c, -size, e, False, j)
+      for j, (c, size) in enumerate(zip(m.costs, m.elements))
+  ]
   return m, items
 
 
@@ -152,8 +180,13 @@ def _place_on_team(m: ExchangeMatrices, j: int, loads: np.ndarray) -> None:
   loads[team_of_device == t] += item.cost
 
 
-def _place_whole(m: ExchangeMatrices, j: int, loads: np.ndarray, fair_flops: float,
-                 weigh_bytes: bool) -> None:
+def _place_whole(
+    m: ExchangeMatrices,
+    j: int,
+    loads: np.ndarray,
+    fair_flops: float,
+    weigh_bytes: bool,
+) -> None:
   """Gives whole matrix ``j`` to the worker with the least score afterwards."""
   workers = len(m.owned_elements)
   busiest = np.full(workers, -np.inf)
@@ -180,11 +213,16 @@ def ownership(m: ExchangeMatrices, buckets: tuple[Bucket, ...]) -> Ownership:
   return Ownership(owner, m.teams)
 
 
-def place_matrices(groups: list[Group], exchanges: list[ExchangeBuckets],
-                   mesh_shape: MeshShape, spread: bool, weigh_bytes: bool,
-                   splits: dict[int, TeamSplit] | None = None, model: CostModel | None = None,
-                   placements: list[LeafPlacement] | None = None
-                   ) -> tuple[list[ExchangeMatrices], np.ndarray]:
+def place_matrices(
+    groups: list[Group],
+    exchanges: list[ExchangeBuckets],
+    mesh_shape: MeshShape,
+    spread: bool,
+    weigh_bytes: bool,
+    splits: dict[int, TeamSplit] | None = None,
+    model: CostModel | None = None,
+    placements: list[LeafPlacement] | None = None,
+) -> tuple[list[ExchangeMatrices], np.ndarray]:
   """Owners of every local matrix of every exchange (see the module docstring).
 
   Args:
@@ -198,25 +236,40 @@ def place_matrices(groups: list[Group], exchanges: list[ExchangeBuckets],
     placements: the leaves (with ``splits``).
 
   Returns:
-    Per exchange, its matrices with their owners; and every device's load (NS FLOPs, a
-    team member's in effective FLOPs), flattened.
+    Per exchange, its matrices with their owners; and every device's load (NS
+    FLOPs, a team member's in effective FLOPs), flattened.
   """
   splits = splits or {}
   loads = np.zeros(math.prod(size for _, size in mesh_shape), np.float64)
   matrices, items = [], []
   for e, exchange in enumerate(exchanges):
     group = groups[exchange.group]
-    m, found = _collect(e, group, exchange.buckets,
-                        group.worker_of_devices(mesh_shape).reshape(-1), spread,
-                        splits.get(e), model, placements)
+    m, found = _collect(
+        e,
+        group,
+        exchange.buckets,
+        group.worker_of_devices(mesh_shape).reshape(-1),
+        spread,
+        splits.get(e),
+        model,
+        placements,
+    )
     matrices.append(m)
     items += found
-  total = sum((sum(m.costs) + sum(t.cost for t in m.team_items) * m.team_size)
-              * loads.size / len(m.owned_elements) for m in matrices)
-  fair_flops = max([total / loads.size, 1] + [c for m in matrices for c in m.costs])
+  total = sum(
+      (sum(m.costs) + sum(t.cost for t in m.team_items) * m.team_size)
+      * loads.size
+      / len(m.owned_elements)
+      for m in matrices
+  )
+  fair_flops = max(
+      [total / loads.size, 1] + [c for m in matrices for c in m.costs]
+  )
   for item in sorted(items):
     if item.team:
       _place_on_team(matrices[item.exchange], item.index, loads)
     else:
-      _place_whole(matrices[item.exchange], item.index, loads, fair_flops, weigh_bytes)
+      _place_whole(
+          matrices[item.exchange], item.index, loads, fair_flops, weigh_bytes
+      )
   return matrices, loads

@@ -1,11 +1,15 @@
-"""The program re-deal: fewer distinct per-worker programs where that costs nothing.
+"""The program re-deal: fewer distinct per-worker programs where that costs
+nothing.
 
-A pattern is how many matrices of each bucket a worker owns; each distinct pattern is a
-``lax.switch`` branch with its own NS code, so fewer patterns compile faster. The owner
-choice often ends with four or five patterns where two reach the same busiest device: u
-workers take pattern p, v workers pattern q and the rest nothing, with u·p_b + v·q_b = K_b
-for every bucket b. A deal is taken only if it has fewer patterns and neither the busiest
-device's load nor the largest owned size (the all-to-all chunk) grows.
+A pattern is how many matrices of each bucket a worker owns; each distinct
+pattern is a ``lax.switch`` branch with its own NS code, so fewer patterns
+compile faster. The owner
+choice often ends with four or five patterns where two reach the same busiest
+  device: u
+workers take pattern p, v workers pattern q and the rest nothing, with u·p_b +
+v·q_b = K_b for every bucket b. A deal is taken only if it has fewer patterns
+and neither the busiest device's load nor the largest owned size (the all-to-all
+chunk) grows.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import numpy as np
 
 from optax_muon._src.muon.plan.owners import ExchangeMatrices
 
-#: Beyond this many workers ``fewer_programs`` is not tried (its search would take seconds).
+#: Beyond this many workers ``fewer_programs`` is not tried (its search would
+#: take seconds).
 DEAL_WORKERS = 1024
 
 
@@ -24,8 +29,8 @@ class Deal(NamedTuple):
   """Two patterns and the idle one.
 
   Attributes:
-    key: (distinct patterns, the busiest device's load, the largest owned size): less is
-      better.
+    key: (distinct patterns, the busiest device's load, the largest owned size):
+      less is better.
     u: workers [0, u) take pattern p.
     v: workers [u, u + v) take pattern q; the others own nothing.
     counts: per bucket, (p_b, q_b).
@@ -37,24 +42,36 @@ class Deal(NamedTuple):
   counts: list[tuple[int, int]]
 
 
-def _pattern_counts(totals: list[int], u: int, v: int) -> list[list[tuple[int, int]]] | None:
-  """Per bucket, every (p_b, q_b) with u·p_b + v·q_b = K_b; None if a bucket has none."""
+def _pattern_counts(
+    totals: list[int], u: int, v: int
+) -> list[list[tuple[int, int]]] | None:
+  """Per bucket, every (p_b, q_b) with u·p_b + v·q_b = K_b; None if a bucket has
+  none."""
   options = []
   for t in totals:
     if v == 0:
       opts = [(t // u, 0)] if t % u == 0 else []
     else:
-      opts = [(p, (t - u * p) // v) for p in range(t // u + 1) if (t - u * p) % v == 0]
+      opts = [
+          (p, (t - u * p) // v)
+          for p in range(t // u + 1)
+          if (t - u * p) % v == 0
+      ]
     if not opts:
       return None
     options.append(opts)
   return options
 
 
-def _best_counts(options: list[list[tuple[int, int]]], cost: list[int], size: list[int],
-                 load_cap: float, size_cap: float) -> tuple[tuple, list] | None:
-  """The per-bucket (p_b, q_b) with the least (busiest load, largest size) within the caps,
-  the first found on ties; None if none fits."""
+def _best_counts(
+    options: list[list[tuple[int, int]]],
+    cost: list[int],
+    size: list[int],
+    load_cap: float,
+    size_cap: float,
+) -> tuple[tuple, list] | None:
+  """The per-bucket (p_b, q_b) with the least (busiest load, largest size)
+  within the caps, the first found on ties; None if none fits."""
   best = None
 
   def search(b, p_load, q_load, p_size, q_size, chosen):
@@ -67,31 +84,49 @@ def _best_counts(options: list[list[tuple[int, int]]], cost: list[int], size: li
         best = (key, list(chosen))
       return
     for p, q in options[b]:
-      search(b + 1, p_load + p * cost[b], q_load + q * cost[b], p_size + p * size[b],
-             q_size + q * size[b], chosen + [(p, q)])
+      search(
+          b + 1,
+          p_load + p * cost[b],
+          q_load + q * cost[b],
+          p_size + p * size[b],
+          q_size + q * size[b],
+          chosen + [(p, q)],
+      )
 
   search(0, 0.0, 0.0, 0.0, 0.0, [])
   return best
 
 
-def _best_deal(m: ExchangeMatrices, patterns: int, load_cap: float) -> Deal | None:
-  """The deal with the fewest patterns (fewer than ``patterns``), then the least load and
-  size, within the caps; None if there is none."""
+def _best_deal(
+    m: ExchangeMatrices, patterns: int, load_cap: float
+) -> Deal | None:
+  """The deal with the fewest patterns (fewer than ``patterns``), then the least
+  load and size, within the caps; None if there is none."""
   workers, buckets = m.counts.shape
   totals = [int(t) for t in m.counts.sum(axis=0)]
-  cost = [next((c for c, k in zip(m.costs, m.bucket_of) if k == b), 0) for b in range(buckets)]
-  size = [next((e for e, k in zip(m.elements, m.bucket_of) if k == b), 0)
-          for b in range(buckets)]
+  cost = [
+      next((c for c, k in zip(m.costs, m.bucket_of) if k == b), 0)
+      for b in range(buckets)
+  ]
+  size = [
+      next((e for e, k in zip(m.elements, m.bucket_of) if k == b), 0)
+      for b in range(buckets)
+  ]
   size_cap = float(m.owned_elements.max())
   best = None
   for u in range(1, workers + 1):
     for v in range(0, workers - u + 1):
-      count = 1 + (v > 0) + (u + v < workers)  # distinct patterns, the idle one included
+      count = (
+          1 + (v > 0) + (u + v < workers)
+      )  # distinct patterns, the idle one included
       if count >= patterns:
         continue
       options = _pattern_counts(totals, u, v)
-      found = None if options is None else _best_counts(options, cost, size, load_cap,
-                                                        size_cap)
+      found = (
+          None
+          if options is None
+          else _best_counts(options, cost, size, load_cap, size_cap)
+      )
       if found is not None and (best is None or (count, *found[0]) < best.key):
         best = Deal((count, *found[0]), u, v, found[1])
   return best
@@ -105,11 +140,12 @@ def _owner_loads(m: ExchangeMatrices) -> np.ndarray:
 
 
 def fewer_programs(m: ExchangeMatrices, loads: np.ndarray) -> None:
-  """Re-deals one exchange's matrices as two patterns (and idle workers), if free.
+  """Re-deals one exchange's matrices as two patterns (and idle workers), if
+  free.
 
-  Applies when the devices' loads from other exchanges are equal across workers (otherwise
-  a pattern's cost would depend on the worker), and up to ``DEAL_WORKERS`` workers (the
-  search is quadratic in them).
+  Applies when the devices' loads from other exchanges are equal across workers
+  (otherwise a pattern's cost would depend on the worker), and up to
+  ``DEAL_WORKERS`` workers (the search is quadratic in them).
 
   Args:
     m: the exchange's matrices and their owners; updated.
@@ -131,9 +167,12 @@ def fewer_programs(m: ExchangeMatrices, loads: np.ndarray) -> None:
   m.counts[:] = 0
   m.owned_elements[:] = 0
   for b, (p, q) in enumerate(deal.counts):
-    quota = ([w for w in range(deal.u) for _ in range(p)]
-             + [deal.u + w for w in range(deal.v) for _ in range(q)])
-    for w, j in zip(quota, [j for j, k in enumerate(m.bucket_of) if k == b], strict=True):
+    quota = [w for w in range(deal.u) for _ in range(p)] + [
+        deal.u + w for w in range(deal.v) for _ in range(q)
+    ]
+    for w, j in zip(
+        quota, [j for j, k in enumerate(m.bucket_of) if k == b], strict=True
+    ):
       m.owner[j] = w
       m.owned_elements[w] += m.elements[j]
       m.counts[w, b] += 1

@@ -1,16 +1,20 @@
-"""Exchange stages: an exchange split by matrix so that its all-to-alls overlap Newton–Schulz.
+"""Exchange stages: an exchange split by matrix so that its all-to-alls overlap
+Newton–Schulz.
 
-With one all-to-all each way, nothing can run beside them: every owner waits for all of its
-matrices, and every device waits for all of its results. Split into S stages (each worker's
-matrices in program order, cut into S runs of about equal FLOPs), the all-to-alls of stage
-s + 1 (out) and s − 1 (back) have no data dependence on stage s's NS, so a scheduler with
-asynchronous collectives runs them beside it. Each stage is an ``Exchange`` of the same
-buckets; the executor takes consecutive ones as one exchange (``costs.exchange_stages``).
+With one all-to-all each way, nothing can run beside them: every owner waits for
+all of its matrices, and every device waits for all of its results. Split into S
+stages (each worker's matrices in program order, cut into S runs of about equal
+FLOPs), the all-to-alls of stage s + 1 (out) and s − 1 (back) have no data
+dependence on stage s's NS, so a scheduler with asynchronous collectives runs
+them beside it. Each stage is an ``Exchange`` of the same buckets; the executor
+takes consecutive ones as one exchange (``costs.exchange_stages``).
 
-S comes from the cost model (``costs.pipelined_seconds``): the fewest stages within 2% of
-the shortest modelled time (each stage compiles its own NS code), 1 where the model cannot overlap collectives (``CostModel.
-overlap``; XLA:CPU) or where a stage's collective latency costs more than it hides.
-Exchanges with teams keep one stage (their team collectives already run inside NS).
+S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
+  within 2% of
+the shortest modelled time (each stage compiles its own NS code), 1 where the
+model cannot overlap collectives (``CostModel. overlap``; XLA:CPU) or where a
+stage's collective latency costs more than it hides. Exchanges with teams keep
+one stage (their team collectives already run inside NS).
 """
 
 from __future__ import annotations
@@ -29,26 +33,29 @@ from optax_muon._src.muon.plan.owners import Ownership
 MAX_STAGES = 8
 #: A split must shorten the modelled time by this share of it.
 MIN_GAIN = 0.01
-#: The fewest stages whose modelled time is within this share of the shortest: each stage
-#: compiles its own NS code (on the 7B-like tree, compile time grows about linearly with
+#: The fewest stages whose modelled time is within this share of the shortest:
+#: each stage
+#: compiles its own NS code (on the 7B-like tree, compile time grows about
+#: linearly with
 #: the stage count), for gains that shrink as 1/S.
 NEAR_BEST = 0.02
 
 
 def _cut(flops: list[int], stages: int) -> list[int]:
-  """Per item, its stage: consecutive items, each stage about 1/``stages`` of the FLOPs
-  (an item goes to the stage its FLOP midpoint falls in)."""
+  """Per item, its stage: consecutive items, each stage about 1/``stages`` of
+  the FLOPs (an item goes to the stage its FLOP midpoint falls in)."""
   total = sum(flops) or 1
   before = np.cumsum([0] + flops[:-1])
   middle = (before + np.asarray(flops) / 2) / total
   return [min(stages - 1, int(m * stages)) for m in middle]
 
 
-def split_exchange(ex: Exchange, plan: Plan, workers: int, stages: int
-                   ) -> tuple[Exchange, ...]:
-  """``ex`` as ``stages`` exchanges of the same buckets, each worker's matrices cut in
-  program order into runs of about equal FLOPs (stages a worker has no matrix for are
-  empty for it).
+def split_exchange(
+    ex: Exchange, plan: Plan, workers: int, stages: int
+) -> tuple[Exchange, ...]:
+  """``ex`` as ``stages`` exchanges of the same buckets, each worker's matrices
+  cut in program order into runs of about equal FLOPs (stages a worker has no
+  matrix for are empty for it).
 
   Args:
     ex: an exchange without teams.
@@ -57,33 +64,46 @@ def split_exchange(ex: Exchange, plan: Plan, workers: int, stages: int
     stages: how many stages.
 
   Returns:
-    The stages, each an ``Exchange`` whose ``owned`` holds that stage's matrices.
+    The stages, each an ``Exchange`` whose ``owned`` holds that stage's
+    matrices.
   """
   offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
   owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
   for w, owned in enumerate(ex.owned):
     items = [(k, j) for k, mine in enumerate(owned) for j in mine]
-    for (k, j), s in zip(items, _cut([ex.buckets[k].flops for k, _ in items], stages)):
+    for (k, j), s in zip(
+        items, _cut([ex.buckets[k].flops for k, _ in items], stages)
+    ):
       owners[s][offsets[k] + j] = w
-  return tuple(make_exchange(ex.buckets, Ownership(owner, []), list(plan.leaves), workers)
-               for owner in owners)
+  return tuple(
+      make_exchange(
+          ex.buckets, Ownership(owner, []), list(plan.leaves), workers
+      )
+      for owner in owners
+  )
 
 
-def _staged_seconds(plan: Plan, group: Group, stages: tuple[Exchange, ...],
-                    model: CostModel) -> float:
-  part = dataclasses.replace(plan, groups=(dataclasses.replace(group, exchanges=stages),))
+def _staged_seconds(
+    plan: Plan, group: Group, stages: tuple[Exchange, ...], model: CostModel
+) -> float:
+  part = dataclasses.replace(
+      plan, groups=(dataclasses.replace(group, exchanges=stages),)
+  )
   return float(costs.device_seconds(part, model).max())
 
 
-def choose_stages(plan: Plan, model: CostModel, stages: int | None = None) -> Plan:
-  """``plan`` with each exchange split into the stages that the model says pipeline best.
+def choose_stages(
+    plan: Plan, model: CostModel, stages: int | None = None
+) -> Plan:
+  """``plan`` with each exchange split into the stages that the model says
+  pipeline best.
 
   Args:
     plan: a plan, one stage per exchange.
     model: the cost model.
-    stages: force this many stages on every exchange that can be split (an exchange
-      keeps at most as many as its busiest worker has matrices); None: chosen by
-      ``model``.
+    stages: force this many stages on every exchange that can be split (an
+      exchange keeps at most as many as its busiest worker has matrices); None:
+      chosen by ``model``.
 
   Returns:
     The plan with staged exchanges (itself where nothing is split).
@@ -93,8 +113,13 @@ def choose_stages(plan: Plan, model: CostModel, stages: int | None = None) -> Pl
     exchanges = []
     for ex in group.exchanges:
       most = max(sum(map(len, owned)) for owned in ex.owned)
-      if (ex.teams or group.workers == 1 or group.exchange_size == 1 or most < 2
-          or (stages is None and not model.overlap)):
+      if (
+          ex.teams
+          or group.workers == 1
+          or group.exchange_size == 1
+          or most < 2
+          or (stages is None and not model.overlap)
+      ):
         exchanges.append(ex)
         continue
       if stages is not None:
@@ -103,10 +128,16 @@ def choose_stages(plan: Plan, model: CostModel, stages: int | None = None) -> Pl
       options = {1: (ex,)}
       for s in range(2, min(MAX_STAGES, most) + 1):
         options[s] = split_exchange(ex, plan, group.workers, s)
-      seconds = {s: _staged_seconds(plan, group, x, model) for s, x in options.items()}
+      seconds = {
+          s: _staged_seconds(plan, group, x, model) for s, x in options.items()
+      }
       best = min(seconds.values())
-      chosen = min(s for s, t in seconds.items()
-                   if t <= best * (1 + NEAR_BEST) and (s == 1 or t < seconds[1] * (1 - MIN_GAIN)))
+      chosen = min(
+          s
+          for s, t in seconds.items()
+          if t <= best * (1 + NEAR_BEST)
+          and (s == 1 or t < seconds[1] * (1 - MIN_GAIN))
+      )
       exchanges += options[chosen]
     groups.append(dataclasses.replace(group, exchanges=tuple(exchanges)))
   return dataclasses.replace(plan, groups=tuple(groups))
