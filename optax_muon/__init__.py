@@ -2,12 +2,11 @@
 Optax.
 
 Optimizers: ``muon`` (Muon on the matrices, AdamW on the rest) and its building
-  blocks
-``scale_by_muon`` and ``scale_by_shape`` (compose them in ``optax.chain``);
-``dion`` and ``scale_by_dion`` put Dion's low-rank direction in Newton–Schulz's
-place. Both take every argument of their ``optax.contrib`` namesakes; this
-package's own options come as the objects ``NSOptions``, ``ShardingOptions``,
-``NorMuon``, ``Routing`` and ``QKClip``.
+blocks ``scale_by_muon`` and ``scale_by_shape`` (compose them in
+``optax.chain``); ``dion`` and ``scale_by_dion`` put Dion's low-rank direction
+in Newton–Schulz's place. Both take every argument of their ``optax.contrib``
+namesakes; this package's own options come as the objects ``NSOptions``,
+``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
 
 Newton–Schulz: ``newton_schulz`` with the coefficient presets in
 ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table
@@ -15,15 +14,13 @@ Newton–Schulz: ``newton_schulz`` with the coefficient presets in
 ``msign``, its SVD reference.
 
 Routing (``Routing``, ``route``): embeddings, output heads, biases and vectors
-  to AdamW;
-attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax, Equinox),
-your own ``LayoutRule``\\ s, or logical axis names
+to AdamW; attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax,
+Equinox), your own ``LayoutRule``\\ s, or logical axis names
 (``infer_dimension_numbers``).
 
 Tools: ``summarize`` shows where every leaf goes and what it costs there;
-  ``diagnostics``
-gives per-step scalars to log; ``qk_clip`` (MuonClip) caps attention logits by
-rescaling query and key heads.
+``diagnostics`` gives per-step scalars to log; ``qk_clip`` (MuonClip) caps
+attention logits by rescaling query and key heads.
 
 The implementation lives in ``optax_muon._src`` (shared core, the two
 optimizers, the tools); only the names below are the public API.

@@ -12,8 +12,7 @@ Equinox's ``Linear.weight`` is (out, in). Two sources say which axis is which:
   ``Routing(layouts=...)`` adds a user's own.
 - Logical axis names (MaxText, ``nn.with_logical_partitioning``,
   ``nnx.with_partitioning``): each name has a role (``LOGICAL_AXIS_ROLES``), and
-    the roles give the matrix
-  (``from_logical_names``).
+  the roles give the matrix (``from_logical_names``).
 
 Either way, attention heads are part of the matrix by default
 (``heads="whole"``: the d_model × heads·head_dim projection, as Moonlight and
@@ -338,12 +337,11 @@ def from_logical_names(
   """A leaf's dimension numbers from its logical axis names.
 
   The matrix axes (all but ``"batch"``; ``"heads"`` too with
-  ``heads="per_head"``) split
-  in two sides: the head axes with their ``head_dim`` axes, and the rest. The
-    side holding
-  the last matrix axis is the output (in ``x @ W`` layouts the features come
-  last, also in Gemma's (heads, d_model, head_dim) query). With one side only,
-  the last axis is the output and the others the input.
+  ``heads="per_head"``) split in two sides: the head axes with their
+  ``head_dim`` axes, and the rest. The side holding the last matrix axis is the
+  output (in ``x @ W`` layouts the features come last, also in Gemma's (heads,
+  d_model, head_dim) query). With one side only, the last axis is the output and
+  the others the input.
 
   Args:
     path: the leaf's path, for messages.

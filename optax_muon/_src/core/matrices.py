@@ -21,8 +21,7 @@ import optax.contrib
 def ns_orientation(rows: int, cols: int) -> tuple[tuple[int, int], bool]:
   """Which side Newton–Schulz runs on: the (m, n) matrix it iterates on, m ≤ n,
   and whether that is the transpose of the rows × cols input. The one place this
-  is decided.
-  """
+  is decided."""
   return (min(rows, cols), max(rows, cols)), rows > cols
 
 

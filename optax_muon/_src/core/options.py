@@ -2,13 +2,11 @@
 value.
 
 ``scale_by_muon`` and ``muon`` take optax.contrib's arguments as they are; what
-this package
-adds comes grouped here, one object per concept: how Newton–Schulz runs
-  (``NSOptions``),
-how sharded leaves are exchanged (``ShardingOptions``), NorMuon (``NorMuon``)
-and which leaf goes to which optimizer (``Routing``). QK-clip's options live
-with it (``qk_clipping.QKClip``). Every field is checked when the object is
-made, with a ``ValueError`` naming the field.
+this package adds comes grouped here, one object per concept: how Newton–Schulz
+runs (``NSOptions``), how sharded leaves are exchanged (``ShardingOptions``),
+NorMuon (``NorMuon``) and which leaf goes to which optimizer (``Routing``).
+QK-clip's options live with it (``qk_clipping.QKClip``). Every field is checked
+when the object is made, with a ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -94,18 +92,17 @@ class ShardingOptions:
       buffers are alive at a time (less balance).
     cost_model: how fast the devices compute and communicate (``CostModel``);
       the plan splits a matrix over a team of devices where that shortens the
-      modelled critical
-      path of the whole tree. ``None``: the profile of the planned mesh's
-        devices, by
-      their ``device_kind`` (a topology's too, for ahead-of-time compilation; an
-      abstract mesh has none, then ``jax.devices()``'s), at the NS compute
-      dtype's rate (see ``CostModel.profile``).
+      modelled critical path of the whole tree. ``None``: the profile of the
+      planned mesh's devices, by their ``device_kind`` (a topology's too, for
+      ahead-of-time compilation; an abstract mesh has none, then
+      ``jax.devices()``'s), at the NS compute dtype's rate (see
+      ``CostModel.profile``).
     exchange_stages: split each exchange (without teams) by matrix into this
       many stages, so that a stage's all-to-alls move while another stage is
       orthogonalized (at most as many as the busiest owner has matrices);
       ``None``: as many as shorten the cost model's modelled time (one on
-        XLA:CPU, whose collectives cannot overlap compute).
-      TPUs need asynchronous all-to-alls for the overlap (``LIBTPU_INIT_ARGS=
+      XLA:CPU, whose collectives cannot overlap compute). TPUs need asynchronous
+      all-to-alls for the overlap (``LIBTPU_INIT_ARGS=
       --xla_tpu_enable_async_all_to_all=true``), GPUs the latency-hiding
       scheduler (``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``).
 

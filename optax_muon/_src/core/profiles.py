@@ -22,8 +22,7 @@ class CostModel:
 
   Attributes:
     flops_per_second: matrix-multiply throughput at the NS compute dtype (for a
-      device
-      profile: at bfloat16).
+      device profile: at bfloat16).
     bytes_per_second: per-device link bandwidth of a collective (``math.inf``:
       free).
     collective_latency: seconds each collective costs before its bytes move (0:
@@ -97,8 +96,7 @@ class CostModel:
   def for_dtype(self, dtype: Any) -> CostModel:
     """This model with the throughput of NS products in ``dtype`` (float32 and
     wider: the full-precision rate where the profile has one; 16-bit: the
-      bfloat16 rate).
-    """
+    bfloat16 rate)."""
     if self.f32_flops_per_second is None or np.dtype(dtype).itemsize <= 2:
       return self
     return dataclasses.replace(
@@ -116,12 +114,11 @@ class CostModel:
 
 class _ProfileTable(dict):
   """Named ``CostModel`` profiles. ``"cpu"``, ``"gpu"``, ``"tpu"``: one per
-  platform, round
-  figures of what a large product reaches. The others: one per device
-    generation, from the
-  vendors' published peak figures (dense matrix throughput in bfloat16 and in
-  full float32, link bandwidth per direction), for the devices' ``device_kind``;
-  not measurements. Give your own ``CostModel`` for a measured machine."""
+  platform, round figures of what a large product reaches. The others: one per
+  device generation, from the vendors' published peak figures (dense matrix
+  throughput in bfloat16 and in full float32, link bandwidth per direction), for
+  the devices' ``device_kind``; not measurements. Give your own ``CostModel``
+  for a measured machine."""
 
 
 PROFILES = _ProfileTable(

@@ -10,23 +10,20 @@ S_h), and the step's new parameters W = params + updates are rescaled per head:
 
 Logits are bilinear in W_q and W_k, so for the same inputs head h's logits scale
 by γ_h: the logits S_h was taken from end at most τ. S_h comes from the forward
-  pass before the step's
-update (as in Kimi K2), so the growth that update itself brings is not seen:
-  measured after
-the step, the largest logit sits at τ plus that growth. Heads with S_h ≤ τ are
-untouched (bit for bit). Under grouped-query attention (G query heads
-share one key head) query head h takes γ_h^α and the shared key takes (min over
-its group of γ)^(1−α): every head of the group then scales by at most γ_h, so
-all stay ≤ τ; the price is that the group's other heads lose a little more than
-they would alone.
+pass before the step's update (as in Kimi K2), so the growth that update itself
+brings is not seen: measured after the step, the largest logit sits at τ plus
+that growth. Heads with S_h ≤ τ are untouched (bit for bit). Under grouped-query
+attention (G query heads share one key head) query head h takes γ_h^α and the
+shared key takes (min over its group of γ)^(1−α): every head of the group then
+scales by at most γ_h, so all stay ≤ τ; the price is that the group's other
+heads lose a little more than they would alone.
 
 Which leaves are projections, and where their heads lie, is a ``QKClipHeads``
 per leaf (a tree, prefix tree or callable, like dimension numbers). The maxima
-arrive as the extra
-argument ``attn_logit_max`` of ``update``: a tree with one ``(..., heads)``
-  array per
-attention layer, which serves every projection at or below its path
-(``{"blocks": {0: s}}`` serves ``blocks/0/q/kernel`` and ``blocks/0/k/kernel``).
+arrive as the extra argument ``attn_logit_max`` of ``update``: a tree with one
+``(..., heads)`` array per attention layer, which serves every projection at or
+below its path (``{"blocks": {0: s}}`` serves ``blocks/0/q/kernel`` and
+``blocks/0/k/kernel``).
 """
 
 from __future__ import annotations
@@ -59,19 +56,18 @@ class QKClipHeads(NamedTuple):
     axis: the axis holding the heads.
     num_heads: the leaf's heads along ``axis`` (``"qkv"``: its query heads);
       ``None``: the size of ``axis`` (it is the head axis itself, as in a ``(d,
-        heads, head_dim)`` kernel).
+      heads, head_dim)`` kernel).
     num_kv_heads: ``"qkv"`` only: key (and value) heads; ``None``:
       ``num_heads``.
     layer_axes: axes indexing independent attention layers (stacked or scanned
       layers); the maxima carry them as leading axes, in this order.
 
   Examples: a Flax ``Linear(d, heads·head_dim)`` query kernel is
-    ``QKClipHeads("query",
-  num_heads=heads)``; its GQA key kernel ``Linear(d, kv_heads·head_dim)`` is
-  ``QKClipHeads("key", num_heads=kv_heads)``; a fused ``(d, 3·heads·head_dim)``
-  kernel is ``QKClipHeads("qkv", num_heads=heads)``; a scanned ``(layers, d,
-  heads, head_dim)`` query kernel is ``QKClipHeads("query", axis=2,
-  layer_axes=(0,))``.
+  ``QKClipHeads("query", num_heads=heads)``; its GQA key kernel ``Linear(d,
+  kv_heads·head_dim)`` is ``QKClipHeads("key", num_heads=kv_heads)``; a fused
+  ``(d, 3·heads·head_dim)`` kernel is ``QKClipHeads("qkv", num_heads=heads)``; a
+  scanned ``(layers, d, heads, head_dim)`` query kernel is
+  ``QKClipHeads("query", axis=2, layer_axes=(0,))``.
   """
 
   role: str
@@ -362,8 +358,7 @@ def head_factors(
 
   Returns:
     An array of the leaf's rank: the leaf's sizes on ``p.axis`` and
-      ``p.layer_axes``, 1
-    elsewhere. Heads that are not clipped get exactly 1.
+    ``p.layer_axes``, 1 elsewhere. Heads that are not clipped get exactly 1.
   """
   parts = []
   if p.query_heads:
@@ -397,13 +392,11 @@ def qk_clip(
   its largest logit in the step's batch stays at most ``threshold``.
 
   Per head h with S_h (``attn_logit_max``) above τ: γ_h = τ / S_h, and the
-    step's new
-  parameters (params + updates) become W_q[h]·γ_h^α and W_k[h]·γ_h^(1−α); a key
-  head shared by several query heads (grouped-query attention) takes the
-  smallest γ of its group. The returned updates are those that land on the
-  rescaled parameters, so this transformation
-  must come **last** in a chain (after the learning rate): anything after it
-    would rescale
+  step's new parameters (params + updates) become W_q[h]·γ_h^α and
+  W_k[h]·γ_h^(1−α); a key head shared by several query heads (grouped-query
+  attention) takes the smallest γ of its group. The returned updates are those
+  that land on the rescaled parameters, so this transformation must come
+  **last** in a chain (after the learning rate): anything after it would rescale
   the correction too. ``muon(..., qk_clip=QKClip(τ, heads))`` puts it there.
 
   Args:
@@ -442,8 +435,7 @@ def qk_clip(
 
   References:
     Kimi Team, `Kimi K2: Open Agentic Intelligence
-      <https://arxiv.org/abs/2507.20534>`_,
-    2025 (MuonClip).
+    <https://arxiv.org/abs/2507.20534>`_, 2025 (MuonClip).
   """
   _check_options(threshold, alpha)
 

@@ -3,11 +3,10 @@ fill.
 
 A matrix optimizer's ``init`` hands a ``Report`` to ``report``; ``summarize``
 and ``diagnostics`` collect it with ``reporting_options`` and read every
-optimizer through that
-one interface: the shared ``options`` (routing, dimension numbers, shardings)
-  and
-``summarize(params)``, which returns the optimizer's own ``RoutingSummary``. A
-new optimizer adds its own report and table; the tools do not change.
+optimizer through that one interface: the shared ``options`` (routing, dimension
+numbers, shardings) and ``summarize(params)``, which returns the optimizer's own
+``RoutingSummary``. A new optimizer adds its own report and table; the tools do
+not change.
 
 The rows and the table's shared columns (path, shape, dtype, optimizer, reason,
 matrix, batch, shape factor, QK-clip role) are made here, by ``leaf_rows``; each
@@ -56,20 +55,15 @@ def reporting_options() -> Iterator[list[Report]]:
   block.
 
   ``summarize(params, tx)`` traces ``tx.init`` (``jax.eval_shape``) inside this
-  block, so
-  it finds the optimizer wherever ``tx`` holds it: ``optax.chain``,
-    ``optax.partition``,
-  ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite``,
-  an
-  ``nnx.Optimizer``. Nothing simpler reaches it: the caller holds only ``tx``,
-    whose
-  options live in closures; attributes set on a transformation vanish inside
-  those wrappers; and the state could carry them only as a static pytree node,
-  which changes the state's structure and which ``flax.serialization`` (linen
-  ``TrainState`` checkpoints)
-  cannot serialize. Outside the block ``init`` reports to no one: the context
-    variable is
-  set only while a tool asks.
+  block, so it finds the optimizer wherever ``tx`` holds it: ``optax.chain``,
+  ``optax.partition``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
+  ``optax.apply_if_finite``, an ``nnx.Optimizer``. Nothing simpler reaches it:
+  the caller holds only ``tx``, whose options live in closures; attributes set
+  on a transformation vanish inside those wrappers; and the state could carry
+  them only as a static pytree node, which changes the state's structure and
+  which ``flax.serialization`` (linen ``TrainState`` checkpoints) cannot
+  serialize. Outside the block ``init`` reports to no one: the context variable
+  is set only while a tool asks.
 
   Yields:
     The list the reports are appended to.
@@ -246,8 +240,7 @@ def leaf_rows(
 def option_notes(options: TreeOptions, params: Any) -> tuple[str, ...]:
   """Footer lines for the shared options that change the update: the injected
   RMS factor, cautious weight decay and QK-clip (with the projections it applies
-  to).
-  """
+  to)."""
   notes = []
   if options.consistent_rms == "injected":
     notes.append(

@@ -118,8 +118,8 @@ def _check_floating(path: str, leaf: Any) -> None:
 def _biases(paths: list[tuple], leaves: list[Any]) -> dict[int, str]:
   """Positions of biases: named like one (``b`` only beside a kernel), or beside
   a kernel whose shape ends with theirs (Flax's attention biases are (heads,
-  head_dim) beside a
-  (d, heads, head_dim) kernel). Values: the detail ``summarize`` shows."""
+  head_dim) beside a (d, heads, head_dim) kernel). Values: the detail
+  ``summarize`` shows."""
   kernels: dict[tuple, list[Any]] = {}
   for path, leaf in zip(paths, leaves):
     if path and leaf is not None and _KERNEL_NAME.match(str(path[-1])):
@@ -186,17 +186,14 @@ def route(
     1. ``routing.labels`` (``"muon"``/``"adam"`` per leaf) decides.
     2. ``weight_dimension_numbers`` given (tree, prefix tree or callable, as in
        ``optax.contrib.muon``): leaves with ``MuonDimensionNumbers`` go to Muon
-         (unless
-       they are biases or match ``routing.adam_pattern``: a warning says so),
-         leaves with
-       ``None`` to AdamW (a warning names those the default rule would put on
-       Muon).
+       (unless they are biases or match ``routing.adam_pattern``: a warning says
+       so), leaves with ``None`` to AdamW (a warning names those the default
+       rule would put on Muon).
     3. Default, for floating-point leaves: 0-D and 1-D leaves and biases go to
-      AdamW, and
-       leaves whose path matches ``routing.adam_pattern`` (embeddings, output
-       heads); a leaf a ``routing.layouts`` rule describes goes where the rule
-       says; other 2-D leaves go to Muon; other leaves of rank ≥ 3 go to AdamW,
-       with a warning that says how to describe them.
+       AdamW, and leaves whose path matches ``routing.adam_pattern``
+       (embeddings, output heads); a leaf a ``routing.layouts`` rule describes
+       goes where the rule says; other 2-D leaves go to Muon; other leaves of
+       rank ≥ 3 go to AdamW, with a warning that says how to describe them.
 
   Args:
     params: the params tree (arrays or ``jax.ShapeDtypeStruct`` objects).
@@ -452,10 +449,8 @@ def degenerate_notice(
     items: list[tuple[str, tuple[int, ...], int, tuple[int, int]]],
 ) -> str | None:
   """A warning for Muon leaves whose matrices have a side shorter than 2 (NS of
-  a 1 × n
-  matrix only normalizes it). ``items``: (path, shape, batch, (m, n)) per Muon
-    leaf.
-  """
+  a 1 × n matrix only normalizes it). ``items``: (path, shape, batch, (m, n))
+  per Muon leaf."""
   bad = [
       f"{path} ({'×'.join(map(str, shape))} as {batch} × {m}×{n})"
       for path, shape, batch, (m, n) in items
@@ -485,13 +480,12 @@ def infer_dimension_numbers(
   The result works as ``muon_weight_dimension_numbers`` for ``muon`` and for
   ``optax.contrib.muon`` (``MuonDimensionNumbers`` for each Muon leaf, 2-D ones
   included; ``None`` for each AdamW leaf), and shows how each leaf is read.
-  Leaves are described by,
-  first that applies: their logical axis names (carried by linen's
-  ``nn.with_logical_partitioning`` boxes or ``nnx.Variable`` sharding metadata
-  in ``params``, or given as ``logical_names``), a ``routing.layouts`` rule
-  (``KNOWN_LAYOUTS``: Gemma, Flax attention, Equinox), or the plain 2-D rule.
-    Biases,
-  vectors and embeddings (``routing.adam_pattern``, a ``vocab`` axis) get None.
+  Leaves are described by, first that applies: their logical axis names (carried
+  by linen's ``nn.with_logical_partitioning`` boxes or ``nnx.Variable`` sharding
+  metadata in ``params``, or given as ``logical_names``), a ``routing.layouts``
+  rule (``KNOWN_LAYOUTS``: Gemma, Flax attention, Equinox), or the plain 2-D
+  rule. Biases, vectors and embeddings (``routing.adam_pattern``, a ``vocab``
+  axis) get None.
 
   Args:
     params: the params: arrays or ``jax.ShapeDtypeStruct`` objects, linen's

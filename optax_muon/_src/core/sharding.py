@@ -117,8 +117,7 @@ def typed_sharding(x: Any) -> Any:
 def placement_of(x: Any, known: LeafSharding | None) -> LeafSharding | None:
   """Where state made for leaf ``x`` should live: ``known`` (the spec's), else
   where a concrete array or struct already lies (also on an Auto mesh without
-  param_shardings).
-  """
+  param_shardings)."""
   if known is not None:
     return known
   own = None if isinstance(x, jax.core.Tracer) else typed_sharding(x)
@@ -284,14 +283,12 @@ def place_like_params(
   sharding.
 
   Under ``jax.jit`` on an Auto mesh the zeros an ``init`` creates carry no
-  sharding, and
-  the compiler replicates them: every device would hold the whole optimizer
-    state until the
-  first update. Subtrees of ``state`` with the params' structure (AdamW's
-  moments) are constrained to ``shardings``; subtrees of type ``keep`` (Muon's
-  own state, already placed when made) and arrays of other shapes are left as
-  they are, and so is everything on an Explicit mesh (there the types say where
-  arrays live).
+  sharding, and the compiler replicates them: every device would hold the whole
+  optimizer state until the first update. Subtrees of ``state`` with the params'
+  structure (AdamW's moments) are constrained to ``shardings``; subtrees of type
+  ``keep`` (Muon's own state, already placed when made) and arrays of other
+  shapes are left as they are, and so is everything on an Explicit mesh (there
+  the types say where arrays live).
 
   Args:
     state: an optimizer state.

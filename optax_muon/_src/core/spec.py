@@ -7,11 +7,11 @@ layout, with the side the orthogonalization runs on) and how it lies on the
 mesh. It reads Python values only (no arrays, nothing remembered between calls),
 plus whether it is called inside ``shard_map`` (then the leaves are local
 blocks); ``init``, ``update``, ``summarize`` and ``diagnostics`` each call it,
-and nothing downstream re-derives any of it. Each optimizer adds what it
-needs on top (Muon: its orthogonalization plan, ``muon.spec``).
+and nothing downstream re-derives any of it. Each optimizer adds what it needs
+on top (Muon: its orthogonalization plan, ``muon.spec``).
 
 ``TreeOptions`` is what the spec depends on: the static options both optimizers
-  share.
+share.
 """
 
 from __future__ import annotations
@@ -188,10 +188,8 @@ class TreeSpec:
       ``init`` warns.
 
   ``muon_positions`` are the positions of the matrix leaves (those with a
-  layout, routed to
-  the matrix optimizer: Muon or Dion); ``planned`` gives those of them with at
-    least one
-  element, as indices into ``muon_positions``.
+  layout, routed to the matrix optimizer: Muon or Dion); ``planned`` gives those
+  of them with at least one element, as indices into ``muon_positions``.
   """
 
   leaves: tuple[LeafSpec | None, ...]

@@ -28,10 +28,9 @@ def canonical_path(path) -> tuple:
   """A key path as plain values, without the ``.value`` steps of Flax wrappers.
 
   So ``nnx.State`` trees (with or without ``nnx.Variable`` wrappers), linen's
-  boxed
-  params and pure dicts of the same model name their leaves alike: ``('blocks',
-    0, 'k',
-  'kernel')``, whether 0 came from a list, a dict or an ``nnx.List``.
+  boxed params and pure dicts of the same model name their leaves alike:
+  ``('blocks', 0, 'k', 'kernel')``, whether 0 came from a list, a dict or an
+  ``nnx.List``.
   """
   return tuple(_key_value(k) for k in path if not _is_wrapper_key(k))
 

@@ -1,7 +1,6 @@
 """Warnings that point at the user's line: the first frame outside this package
 and the libraries it runs inside (optax, JAX, Flax, Equinox), whatever wraps the
-transformation.
-"""
+transformation."""
 
 from __future__ import annotations
 

@@ -2,15 +2,12 @@
 received bytes and the modelled time (the ``CostModel`` Muon's plan uses).
 
 Every product of ``dion_step`` runs on local blocks, so a device does 1/s of a
-leaf's
-products (s: the devices that split the leaf; replicas repeat them). The
-  collectives are
-the partial sums of ``dion_step`` (all-reduces) and, where P has no more rows
-than the sketch, the all-gather of P's rows. Ring model, as
-``benchmarks/hlo_cost.py`` counts the
-compiled program: an all-reduce of B bytes over g devices receives 2·B·(g − 1)/g
-  per device,
-an all-gather of B bytes in all B·(g − 1)/g.
+leaf's products (s: the devices that split the leaf; replicas repeat them). The
+collectives are the partial sums of ``dion_step`` (all-reduces) and, where P has
+no more rows than the sketch, the all-gather of P's rows. Ring model, as
+``benchmarks/hlo_cost.py`` counts the compiled program: an all-reduce of B bytes
+over g devices receives 2·B·(g − 1)/g per device, an all-gather of B bytes in
+all B·(g − 1)/g.
 """
 
 from __future__ import annotations
@@ -110,10 +107,9 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
 
 def step_seconds(leaf_costs: list[DionCost], model: CostModel) -> float:
   """Modelled time of one step of all the leaves on one device, with each
-  collective of a
-  kind combined over the leaves (as XLA's combiners do): every leaf's products
-    and bytes,
-  but one latency per collective of the leaf with the most."""
+  collective of a kind combined over the leaves (as XLA's combiners do): every
+  leaf's products and bytes, but one latency per collective of the leaf with the
+  most."""
   if not leaf_costs:
     return 0.0
   latency = model.collective_latency * max(

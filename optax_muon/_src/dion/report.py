@@ -43,8 +43,7 @@ class DionLeafSummary(LeafSummary):
       ``DionSummary.cost_model``).
     exchange_bytes: the bytes a whole-matrix exchange of the leaf's momentum
       (Muon's: each matrix to the device that orthogonalizes it and back) moves
-        per step, all devices
-      together; 0 for an unsharded leaf.
+      per step, all devices together; 0 for an unsharded leaf.
   """
 
   rank: int | None = None
@@ -62,7 +61,7 @@ class DionSummary(RoutingSummary):
     cost_model: the model the times come from (its ``name`` says which profile).
     step_seconds: Dion's modelled step time on one device
       (``dion.costs.step_seconds``: each kind of collective combined over the
-        leaves).
+      leaves).
 
   and every attribute of ``RoutingSummary``.
   """

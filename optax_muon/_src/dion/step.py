@@ -2,20 +2,18 @@
 blocks.
 
 A leaf is seen as ``batch`` matrices of ``rows × cols`` (the layout's
-Newton–Schulz
-orientation: rows the short side), without reshaping: it is transposed to the
-  axis order
-(batch axes, row axes, column axes), which moves nothing between devices, and
-every product is an ``einsum`` over those axes. With r the rank, per matrix::
+Newton–Schulz orientation: rows the short side), without reshaping: it is
+transposed to the axis order (batch axes, row axes, column axes), which moves
+nothing between devices, and every product is an ``einsum`` over those axes.
+With r the rank, per matrix::
 
-  M = B + G                                (rows × cols, sharded like the param)
-  P = M·Q                                  (rows × r: sharded like the rows)
-  P ← orthonormalize(P)                    (randomized Cholesky-QR)
-  R = Mᵀ·P                                 (cols × r: sharded like the columns)
-  B ← M − (1 − μ)·P·Rᵀ                     (error feedback)
-  Q ← R with unit columns                  (the state keeps the old Q for zero
-  columns) direction = P·Qᵀ                         (zero columns of R
-  contribute nothing)
+  M = B + G                (rows × cols, sharded like the param)
+  P = M·Q                  (rows × r: sharded like the rows)
+  P ← orthonormalize(P)    (randomized Cholesky-QR)
+  R = Mᵀ·P                 (cols × r: sharded like the columns)
+  B ← M − (1 − μ)·P·Rᵀ     (error feedback)
+  Q ← R, unit columns      (the state keeps the old Q for zero columns)
+  direction = P·Qᵀ         (zero columns of R contribute nothing)
 
 Each product's output sharding is stated (``out_sharding`` on Explicit meshes, a
 sharding constraint on Auto meshes), so the partitioner contracts local blocks
@@ -79,8 +77,8 @@ class DionMatrix:
     mesh: the mesh, or None without sharding.
     manual: whether the arrays are local blocks (inside ``shard_map``).
     product_dtype: the operands' dtype of the four m × n × r products
-      (accumulated in the
-      state's dtype), or None: the state's dtype at full precision.
+      (accumulated in the state's dtype), or None: the state's dtype at full
+      precision.
     power_iterations: subspace-iteration steps per optimizer step (Dion: 1).
   """
 
@@ -266,10 +264,9 @@ class DionMatrix:
       large: bool = False,
   ) -> jax.Array:
     """``jnp.einsum`` whose output lies by ``spec``: contracted sharded axes are
-    summed
-    over their devices, nothing is gathered. ``large``: one of the four m × n ×
-      r
-    products, whose operands go in at ``product_dtype`` where one is set."""
+    summed over their devices, nothing is gathered. ``large``: one of the four m
+    × n × r products, whose operands go in at ``product_dtype`` where one is
+    set."""
     kwargs = dict(precision=_HIGHEST)
     if large and self.product_dtype is not None:
       kwargs = dict(preferred_element_type=a.dtype)
@@ -294,10 +291,8 @@ class DionMatrix:
 
   def per_block(self, fn, x: jax.Array) -> jax.Array:
     """``fn`` of a (batch…, a, b) array that is whole on every device but for
-    its batch
-    axes, run on each device's batch block (``shard_map``): the partitioner then
-      never
-    has to split or gather a decomposition."""
+    its batch axes, run on each device's batch block (``shard_map``): the
+    partitioner then never has to split or gather a decomposition."""
     if self.mesh is None or self.manual:
       return fn(x)
     spec = self.spec(self.batch_dims, 2)
@@ -311,8 +306,7 @@ class DionMatrix:
       spec: PartitionSpec,
   ) -> jax.Array:
     """Standard normal values of the whole ``shape`` laid out by ``spec``
-    (inside
-    ``shard_map``: this device's block); the same values on any mesh."""
+    (inside ``shard_map``: this device's block); the same values on any mesh."""
     if self.manual:
       return self.local_block(jax.random.normal(key, shape, dtype), spec)
     if self.explicit:

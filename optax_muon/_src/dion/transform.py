@@ -2,13 +2,11 @@
 feedback).
 
 Dion replaces Newton–Schulz by one warm-started step of subspace iteration at
-rank r per
-matrix (see ``dion.step``): it never needs a whole matrix on one device, and its
-  collectives
-carry O((m + n)·r) values per matrix (at rank fractions of 0.8 and above P's
-rows are all-gathered instead, see ``dion.step``). The leaves' routing, layouts
-and shardings come from the same spec as Muon's (``core.spec.tree_spec``); no
-plan is built.
+rank r per matrix (see ``dion.step``): it never needs a whole matrix on one
+device, and its collectives carry O((m + n)·r) values per matrix (at rank
+fractions of 0.8 and above P's rows are all-gathered instead, see
+``dion.step``). The leaves' routing, layouts and shardings come from the same
+spec as Muon's (``core.spec.tree_spec``); no plan is built.
 """
 
 from __future__ import annotations
@@ -145,9 +143,8 @@ def scale_by_dion(
 
   Args:
     rank_fraction: r as a fraction of min(m, n), in (0, 1] (rounded up, at least
-      1): one
-      number, a tree or prefix tree of numbers (None entries: 1), or a callable
-      ``params -> such a tree``.
+      1): one number, a tree or prefix tree of numbers (None entries: 1), or a
+      callable ``params -> such a tree``.
     beta: μ, the momentum decay, in [0, 1).
     weight_dimension_numbers: ``MuonDimensionNumbers`` per leaf, as
       ``scale_by_muon``'s; batch axes (stacked layers, experts) are independent
@@ -160,9 +157,8 @@ def scale_by_dion(
       leaf).
     product_dtype: the operands' dtype of the four m × n × r products (M·Q,
       Mᵀ·P, P·Rᵀ, P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs
-      them at the device's
-      bfloat16 rate. None (default): the state's dtype at full precision. The
-      orthonormalization always runs in the state's dtype.
+      them at the device's bfloat16 rate. None (default): the state's dtype at
+      full precision. The orthonormalization always runs in the state's dtype.
     power_iterations: subspace-iteration steps per optimizer step (P =
       orth(M·R), R = Mᵀ·P, from R = Q), at least 1; Dion takes 1, more bring the
       update closer to the rank-r polar factor at twice the products and

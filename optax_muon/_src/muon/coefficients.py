@@ -255,8 +255,7 @@ def _minimax_odd_quintic(
   exchange.
 
   The optimum equioscillates at lo, two interior extrema and hi: p = 1 − E, 1 +
-    E, 1 − E,
-  1 + E there.
+  E, 1 − E, 1 + E there.
   """
   # Start from the Chebyshev extrema of the interval.
   points = lo + (hi - lo) * (1 - np.cos(np.pi * np.arange(4) / 3)) / 2
@@ -313,12 +312,11 @@ def polar_express_coefficients(
   """Generates a Polar Express coefficient table (Amsel et al. 2025).
 
   Greedy construction: at each step the odd quintic minimizing max ``|1 −
-    p(x)|`` over the
-  cushioned interval [max(ℓ, κ·u), u], rescaled so that p(ℓ) + p(u) = 2, after
-  which the interval maps forward (ℓ ← p(ℓ), u ← 2 − ℓ). Once it has collapsed
-  onto 1 the step is the limit (15/8, −10/8, 3/8). Each row but the last is then
-  replaced by p(x / (1 + safety)) so that bf16 rounding cannot push a singular
-  value past the region the next step expects.
+  p(x)|`` over the cushioned interval [max(ℓ, κ·u), u], rescaled so that p(ℓ) +
+  p(u) = 2, after which the interval maps forward (ℓ ← p(ℓ), u ← 2 − ℓ). Once it
+  has collapsed onto 1 the step is the limit (15/8, −10/8, 3/8). Each row but
+  the last is then replaced by p(x / (1 + safety)) so that bf16 rounding cannot
+  push a singular value past the region the next step expects.
 
   Args:
     steps: number of rows.
@@ -341,8 +339,8 @@ def polar_express_coefficients(
 
   References:
     Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their
-      Application
-    to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
+    Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_,
+    2025.
   """
   steps = _validate_steps(steps, "polar_express_coefficients: steps")
   if not 0.0 < lower_bound < 1.0:

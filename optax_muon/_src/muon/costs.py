@@ -10,21 +10,20 @@ the compiled update against the plan all read it.
   ``TeamCost``).
 * Modelled time, an alpha–beta model of one device (``CostModel``, ``PROFILES``,
   ``default_cost_model``, from ``optax_muon._src.core.profiles``): time = FLOPs
-    / flops_per_second +
-  Σ over collectives (collective_latency + bytes received / bytes_per_second). A
-  matrix of c FLOPs of Newton–Schulz takes c / rate on one device; on a team of
-  k devices about c / (k·rate) on each, plus per step the all-reduce of the m ×
-  m Gram matrix (a reduce-scatter and an all-gather) and the all-gather of the
-  polynomial's rows, each receiving (k − 1)/k·m² elements. Splitting pays when
-  the compute it saves exceeds the collectives it adds; the plan decides that
-  for the whole tree (``optax_muon._src.muon.plan``).
+  / flops_per_second + Σ over collectives (collective_latency + bytes received /
+  bytes_per_second). A matrix of c FLOPs of Newton–Schulz takes c / rate on one
+  device; on a team of k devices about c / (k·rate) on each, plus per step the
+  all-reduce of the m × m Gram matrix (a reduce-scatter and an all-gather) and
+  the all-gather of the polynomial's rows, each receiving (k − 1)/k·m² elements.
+  Splitting pays when the compute it saves exceeds the collectives it adds; the
+  plan decides that for the whole tree (``optax_muon._src.muon.plan``).
 * A plan's figures per device: NS FLOPs, received bytes and modelled seconds per
   step, the busiest device's, and the lower bound on its NS FLOPs
   (``device_ns_flops``, ``device_received_bytes``, ``device_seconds``,
   ``critical_ns_flops``, ``critical_seconds``, ``ns_flops_bound``; ``Plan`` has
-  them as methods too). They take the
-  plan as an argument and import nothing of it: the plan holds ``TeamCost`` and
-  ``CostModel`` values, so it sits above this module.
+  them as methods too). They take the plan as an argument and import nothing of
+  it: the plan holds ``TeamCost`` and ``CostModel`` values, so it sits above
+  this module.
 """
 
 from __future__ import annotations
@@ -76,10 +75,8 @@ def ns_flops(
   m ≤ n), on each member of a team of ``team`` devices (n divisible by it).
 
   Standard: 4·m²·n/k + 2·⌈m/k⌉·m² per step (the rows of the m × m polynomial
-    split too).
-  Gram: see ``newton_schulz``'s Gram iteration; in a team every m × m product is
-    split by
-  rows as well (⌈m/k⌉ of them on each member).
+  split too). Gram: see ``newton_schulz``'s Gram iteration; in a team every m ×
+  m product is split by rows as well (⌈m/k⌉ of them on each member).
 
   Examples:
     >>> from optax_muon._src.muon.costs import ns_flops
@@ -108,22 +105,16 @@ def team_collectives(
     gram_restart: int = GRAM_RESTART,
 ) -> tuple[tuple[int, bool], ...]:
   """The collectives one member of a team of ``team`` runs in NS of one m × n
-  matrix with
-  the Frobenius preconditioning: per collective, (elements it receives, whether
-    it sits in
-  the NS loop). A batch of matrices runs the same collectives, each carrying all
-  of them.
+  matrix with the Frobenius preconditioning: per collective, (elements it
+  receives, whether it sits in the NS loop). A batch of matrices runs the same
+  collectives, each carrying all of them.
 
   Standard: max and sum of the norm (k − 1 each), then per step the Gram
-    matrix's
-  reduce-scatter and all-gather and the polynomial's all-gather ((k − 1)·⌈m/k⌉·m
-  each), in
-  the loop. Gram, per run of s steps between restarts: G's reduce-scatter and
-    all-gather,
-  the all-gathers of P_0 and (if s > 1) A_1, two per middle step (P and A; in
-  the loop if
-  there are several) and two for the last (P and the final Q): 2·s + 2 (3 for s
-    = 1).
+  matrix's reduce-scatter and all-gather and the polynomial's all-gather ((k −
+  1)·⌈m/k⌉·m each), in the loop. Gram, per run of s steps between restarts: G's
+  reduce-scatter and all-gather, the all-gathers of P_0 and (if s > 1) A_1, two
+  per middle step (P and A; in the loop if there are several) and two for the
+  last (P and the final Q): 2·s + 2 (3 for s = 1).
   """
   (m, _), _ = ns_orientation(m, n)
   if team == 1:
@@ -154,10 +145,8 @@ def uses_gram(
   ``team``).
 
   ``"auto"`` chooses it where it needs fewer FLOPs per device and the products
-  run in
-  float32 or wider (in bf16 the Gram matrix's rounding error is squared into the
-    result: measured 3e-2 vs
-  1e-2 for the standard iteration).
+  run in float32 or wider (in bf16 the Gram matrix's rounding error is squared
+  into the result: measured 3e-2 vs 1e-2 for the standard iteration).
 
   Raises:
     ValueError: for an unknown method or a non-positive restart interval.
@@ -317,8 +306,7 @@ def worker_team_collective_seconds(ex: Any, model: CostModel) -> np.ndarray:
 def exchange_stages(exchanges) -> list[tuple]:
   """A group's exchanges, consecutive ones of the same buckets (without teams)
   together: the stages of one exchange split by matrix so that its all-to-alls
-    pipeline with NS
-  (``plan.stages``)."""
+  pipeline with NS (``plan.stages``)."""
   runs: list[list] = []
   for ex in exchanges:
     if (
@@ -337,8 +325,8 @@ def pipelined_seconds(
     ns: list[float], out: list[float], back: list[float]
 ) -> float:
   """Modelled time of an exchange in stages: stage s + 1 moves out and stage s −
-  1 comes
-  back while stage s is orthogonalized (one stage: out, NS, back in turn).
+  1 comes back while stage s is orthogonalized (one stage: out, NS, back in
+  turn).
 
   Args:
     ns: per stage, the busiest worker's NS time.
@@ -405,14 +393,13 @@ def device_received_bytes(plan: Any, ragged: bool = False) -> np.ndarray:
     plan: the ``Plan``.
     ragged: count only the pieces each device needs, as
       ``jax.lax.ragged_all_to_all`` would send them, instead of the equal chunks
-      of ``jax.lax.all_to_all`` (which is
-      what runs: XLA:CPU does not implement the ragged collective).
+      of ``jax.lax.all_to_all`` (which is what runs: XLA:CPU does not implement
+      the ragged collective).
 
   Returns:
     Per device: the all-to-all over X each way (chunks of the busiest worker's
-      size from
-    each of the g − 1 peers), plus the all-gather of the replicas' results when
-    they split the work.
+    size from each of the g − 1 peers), plus the all-gather of the replicas'
+    results when they split the work.
   """
   received = np.zeros([size for _, size in plan.mesh_shape], np.float64)
   for group in plan.groups:
@@ -429,8 +416,7 @@ def _stage_seconds(
 ) -> tuple[float, float, float]:
   """One stage of a pipelined exchange: the busiest worker's NS time (team
   collectives included), the all-to-all out and the way back (with the replicas'
-  all-gather).
-  """
+  all-gather)."""
   compute = (
       _worker_flops(ex) / model.flops_per_second
       + worker_team_collective_seconds(ex, model)
@@ -448,9 +434,8 @@ def _stage_seconds(
 
 def device_seconds(plan: Any, model: CostModel | None = None) -> np.ndarray:
   """Modelled NS and exchange time of each device per step, as an array of the
-  mesh's
-  shape: its whole matrices' FLOPs, its team's (FLOPs and collectives), and its
-  all-to-alls (and replica all-gathers); an exchange in stages takes its
+  mesh's shape: its whole matrices' FLOPs, its team's (FLOPs and collectives),
+  and its all-to-alls (and replica all-gathers); an exchange in stages takes its
   pipelined time (``pipelined_seconds``) on each of its group's devices.
 
   Args:
@@ -510,10 +495,8 @@ def ns_flops_bound(plan: Any) -> float:
 
 def switches(plan: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
   """Per ``lax.switch`` of ``plan`` (an exchange with several programs of whole
-  matrices, or
-  with several team programs): each branch's NS FLOPs, and the branch every
-    device takes
-  (an array of the mesh's shape)."""
+  matrices, or with several team programs): each branch's NS FLOPs, and the
+  branch every device takes (an array of the mesh's shape)."""
   out = []
   for group in plan.groups:
     worker = group.worker_of_devices(plan.mesh_shape)

@@ -2,12 +2,10 @@
 column blocks to the members of a team), NS there, back.
 
 The one way NS is run on a tree. ``orthogonalize`` takes every Muon leaf: the
-  trivial group
-(leaves without shardings: one worker, no exchange) runs on the arrays as they
-  are; the
-sharded groups run the per-device program (local blocks in, local blocks out,
-collectives by mesh-axis name) under ``jax.shard_map``, or directly inside a
-user's own ``shard_map``.
+trivial group (leaves without shardings: one worker, no exchange) runs on the
+arrays as they are; the sharded groups run the per-device program (local blocks
+in, local blocks out, collectives by mesh-axis name) under ``jax.shard_map``, or
+directly inside a user's own ``shard_map``.
 """
 
 from __future__ import annotations
@@ -69,8 +67,7 @@ def _member_slice(
 ) -> np.ndarray:
   """Where member ``member``'s block lies in a flattened local piece of ``p``;
   −1 where the block is padded (the last members' blocks when ``size`` does not
-  divide the extent).
-  """
+  divide the extent)."""
   axis = p.matrix_dims.index(split_dim)
   extent = p.piece_shape[axis]
   rows = -(-extent // size)
@@ -189,7 +186,7 @@ def _run_program(
 
   Returns:
     Per bucket, (g, n, L): the pieces of the orthogonalized matrices, in
-      ``pieces``' dtype.
+    ``pieces``' dtype.
   """
   mesh = dict(plan.mesh_shape)
   out = []
@@ -365,10 +362,8 @@ def _run_stage(
     units: jax.Array, plan: Plan, ns: NSFunction, group: Group, ex: Exchange
 ) -> tuple[jax.Array, np.ndarray, int]:
   """Steps 2–6 of ``_run_exchange`` for one stage: this device's pieces out to
-  their
-  owners, NS there, the results back. ``units``: the exchange's stacks in the
-    wire dtype
-  as (units, unit) rows, then a unit of zeros.
+  their owners, NS there, the results back. ``units``: the exchange's stacks in
+  the wire dtype as (units, unit) rows, then a unit of zeros.
 
   Returns:
     (the results as (workers, chunk) rows, as the replicas' all-gather leaves

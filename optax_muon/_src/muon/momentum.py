@@ -3,21 +3,17 @@ orthogonalizes.
 
 Per leaf, with g the gradient and β the decay (t counts steps from 1)::
 
-  ema:  m ← β·m + (1−β)·g;  n = (1−β)·g + β·m   (Nesterov; n = m without), both
-    divided
-        by their bias corrections (1 − βᵗ) and (1 − βᵗ⁺¹) as ``optax.contrib``
-        does
+  ema:  m ← β·m + (1−β)·g;  n = (1−β)·g + β·m   (Nesterov; n = m without),
+        both divided by their bias corrections (1 − βᵗ) and (1 − βᵗ⁺¹), as
+        ``optax.contrib`` does
   ema_uncorrected: the same without the bias corrections (KellerJordan/Muon's
-    reference)
+        reference)
   sum:  m ← β·m + g;        n = g + β·m         (Nesterov; n = m without)
 
 NS does not see the scale of n (it is scale-invariant), so n is returned as n =
-s·n' with
-n' a convex combination of m and g: n' is finite whenever they are (the
-  bias-corrected
-gradient g/(1−βᵗ) alone is 20·g at the first step with β = 0.95, past float32's
-range for
-|g| ≳ 1.7e37). ``adaptive`` scaling needs s.
+s·n' with n' a convex combination of m and g: n' is finite whenever they are
+(the bias-corrected gradient g/(1−βᵗ) alone is 20·g at the first step with β =
+0.95, past float32's range for |g| ≳ 1.7e37). ``adaptive`` scaling needs s.
 """
 
 from __future__ import annotations

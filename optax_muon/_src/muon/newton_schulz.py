@@ -23,21 +23,18 @@ PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
 class Team:
   """The devices that orthogonalize one matrix together, each holding a block of
-  its columns
-  (canonical orientation: m ≤ n, the n side split). This base class is a team of
-    one: the
-  whole matrix on one device, every collective the identity.
+  its columns (canonical orientation: m ≤ n, the n side split). This base class
+  is a team of one: the whole matrix on one device, every collective the
+  identity.
 
   A team of k splits every long-side product by k (each member multiplies its
   own columns) and the short-side ones by k too (each member computes a block of
-  rows of the m × m
-  polynomial, then the blocks are gathered): per member 4·m²·n/k + 2·⌈m/k⌉·m²
-    FLOPs per
-  step. Collectives per step: the Gram matrix's all-reduce (a reduce-scatter and
-    an
-  all-gather, (k − 1)/k·m² elements received each) and the all-gather of the
-  polynomial's rows ((k − 1)/k·m²). The Gram iteration splits all of its
-  products the same way (see ``costs.ns_flops`` and ``costs.team_collectives``).
+  rows of the m × m polynomial, then the blocks are gathered): per member
+  4·m²·n/k + 2·⌈m/k⌉·m² FLOPs per step. Collectives per step: the Gram matrix's
+  all-reduce (a reduce-scatter and an all-gather, (k − 1)/k·m² elements received
+  each) and the all-gather of the polynomial's rows ((k − 1)/k·m²). The Gram
+  iteration splits all of its products the same way (see ``costs.ns_flops`` and
+  ``costs.team_collectives``).
   """
 
   size = 1
@@ -155,11 +152,9 @@ def _mm(a: jax.Array, b: jax.Array, *, rounded: bool = True) -> jax.Array:
 
 def _gram(x: jax.Array, team: Team = ONE) -> tuple[jax.Array, jax.Array]:
   """X·Xᴴ for a (..., m, n) array (the conjugate transpose, so complex inputs
-  work), summed
-  over the team's column blocks: (this member's row block of it, all of it). The
-    members'
-  partial products are summed before rounding to a 16-bit dtype, as one device's
-  product is."""
+  work), summed over the team's column blocks: (this member's row block of it,
+  all of it). The members' partial products are summed before rounding to a
+  16-bit dtype, as one device's product is."""
   block, whole = team.sum_rows(
       _mm(x, jnp.conj(jnp.swapaxes(x, -1, -2)), rounded=False)
   )
@@ -263,14 +258,13 @@ def _gram_iterations(
 
   Every X_k is Q_k·X_0 with Q_k a polynomial in G = X_0·X_0ᴴ, so everything
   commutes: P_k = a·I + b·A_k + c·A_k², Q_{k+1} = Q_k·P_k, A_{k+1} =
-    (P_k·A_k)·P_k. Only G and the
-  final Q·X_0 touch the long side: 4·m²·n + 8·m³ per step instead of (4·m²·n +
-  2·m³) per step. ``gram``, when given, is G (the preconditioning computed it).
+  (P_k·A_k)·P_k. Only G and the final Q·X_0 touch the long side: 4·m²·n + 8·m³
+  per step instead of (4·m²·n + 2·m³) per step. ``gram``, when given, is G (the
+  preconditioning computed it).
 
   In a team every product is split: each member computes its block of rows of P,
-    A and Q
-  (a row block of a product needs the whole right operand, so P and A are
-  gathered after each step and Q once, for Q·X_0).
+  A and Q (a row block of a product needs the whole right operand, so P and A
+  are gathered after each step and Q once, for Q·X_0).
   """
   rows = jnp.asarray(rows, dtype=x.dtype)
   m = x.shape[-2]
@@ -335,8 +329,8 @@ def newton_schulz(
       in ``optax.contrib.muon`` (see ``PRECONDITIONINGS``).
     method: ``"standard"`` (X ← a·X + (b·A + c·A²)·X), ``"gram"`` (the same
       polynomial carried out on the m × m Gram matrix, restarted from X every
-      ``gram_restart`` steps),
-      or ``"auto"``: Gram where it needs fewer FLOPs (see ``uses_gram``).
+      ``gram_restart`` steps), or ``"auto"``: Gram where it needs fewer FLOPs
+      (see ``uses_gram``).
     gram_restart: steps between Gram restarts (the Gram iteration drifts in
       float32 as singular values converge; a restart recomputes X = Q·X₀ and a
       fresh Gram matrix).
@@ -361,8 +355,8 @@ def newton_schulz(
     <https://kellerjordan.github.io/posts/muon/>`_, 2024.
 
     Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their
-      Application
-    to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
+    Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_,
+    2025.
 
     Dao et al., `Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
     Algorithm for Muon <https://tridao.me/blog/2026/gram-newton-schulz/>`_, 2026

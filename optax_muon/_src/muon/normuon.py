@@ -4,19 +4,16 @@ For one matrix O of a Muon leaf (the Newton–Schulz output, Flax layout ``n_in 
 n_out``), with one second moment v_j per output neuron j kept in the optimizer
 state::
 
-  v_j ← β₂·v_j + (1−β₂)·mean_i O_ij²        (mean over the n_in input
-  coordinates) Ô_ij = O_ij / (√v_j + 1e-8)
-  Ô ← Ô·‖O‖_F / ‖Ô‖_F                       (the matrix keeps its Frobenius
-  norm)
+  v_j ← β₂·v_j + (1−β₂)·mean_i O_ij²   (mean over the n_in input coordinates)
+  Ô_ij = O_ij / (√v_j + 1e-8)
+  Ô ← Ô·‖O‖_F / ‖Ô‖_F                  (the matrix keeps its Frobenius norm)
 
 The input and output axes are the leaf's dimension numbers; every index along
 its batch axes is its own matrix (own v, own norms). v has the leaf's shape with
-its input axes
-reduced to size 1, so it shards like the params' output and batch axes: under
-  ``jit`` the
-reductions are plain ``jnp`` (XLA inserts the small all-reduces); inside
-``shard_map`` they are ``psum`` over the mesh axes that split the reduced
-dimensions. No whole matrix is gathered.
+its input axes reduced to size 1, so it shards like the params' output and batch
+axes: under ``jit`` the reductions are plain ``jnp`` (XLA inserts the small
+all-reduces); inside ``shard_map`` they are ``psum`` over the mesh axes that
+split the reduced dimensions. No whole matrix is gathered.
 """
 
 from __future__ import annotations

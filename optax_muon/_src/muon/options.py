@@ -34,7 +34,7 @@ class NSOptions:
       operands with float32 accumulation on TPUs and GPUs, the input's dtype —
       the momentum's, float32 for 16-bit params — elsewhere), a dtype
       (``jnp.float32``: full-precision products on every backend), or ``None``
-        (the input's dtype everywhere).
+      (the input's dtype everywhere).
     method: ``"standard"``, ``"gram"`` (the iteration carried out on the short
       side's Gram matrix, restarted every ``gram_restart`` steps) or ``"auto"``
       (Gram where it needs fewer FLOPs and the products run in float32 or wider;
@@ -51,7 +51,7 @@ class NSOptions:
     Traceback (most recent call last):
     ...
     ValueError: NSOptions.method must be one of ('standard', 'gram', 'auto'),
-      got 'fast'.
+    got 'fast'.
   """
 
   compute_dtype: Any = "auto"

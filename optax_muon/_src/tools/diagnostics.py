@@ -32,12 +32,10 @@ def diagnostics(
 
   Returns:
     ``update_rms/muon`` and ``update_rms/adam`` (root mean square over each
-    group's
-    elements), and ``orthogonality_error``: max ``|σᵢ / mean(σ) − 1|`` over the
-      singular values
-    of the sampled update matrix (0 for an exactly orthogonal direction;
-    Jordan's coefficients leave about 0.3; weight decay adds to it). Call it
-    inside your jitted step.
+    group's elements), and ``orthogonality_error``: max ``|σᵢ / mean(σ) − 1|``
+    over the singular values of the sampled update matrix (0 for an exactly
+    orthogonal direction; Jordan's coefficients leave about 0.3; weight decay
+    adds to it). Call it inside your jitted step.
 
   Raises:
     ValueError: if ``sample`` names no Muon leaf, or ``tx`` holds no Muon

@@ -93,8 +93,7 @@ def summarize(
 
   Returns:
     The optimizer's ``RoutingSummary``: Muon's rows carry Newton–Schulz's
-      matrix,
-    FLOPs and placement, Dion's its rank, FLOPs and received bytes.
+    matrix, FLOPs and placement, Dion's its rank, FLOPs and received bytes.
 
   Raises:
     ValueError: if ``tx`` holds no Muon or Dion transformation, or its routing

@@ -106,10 +106,9 @@ def build_plan(
       call per worker); else every leaf is a bucket of its own.
     weigh_bytes: balance each worker's received bytes along with the FLOPs
       (``False``: FLOPs only, plain LPT, the reference the benchmark compares
-        against).
+      against).
     team_cost: one team member's share of one matrix, ``team_cost(m, n, dtype,
-      k)``;
-      ``None``: whole matrices only.
+      k)``; ``None``: whole matrices only.
 
   Returns:
     The ``Plan``.

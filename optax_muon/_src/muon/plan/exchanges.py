@@ -74,8 +74,7 @@ def _team_runs(
     leaf_of: list[list[int]],
 ) -> list[tuple[TeamRun, ...]]:
   """Per team, its runs: its matrices of each split kind, the kinds in the
-  split's order
-  (the same on every team: fewer programs)."""
+  split's order (the same on every team: fewer programs)."""
   kinds = list(split.kinds)
   out = []
   for matrices in teams:

@@ -4,10 +4,8 @@ their buckets.
 A leaf's mesh axes split into exchange axes X (they split its matrix dimensions)
 and replica axes R (the leaf is replicated over them); leaves with the same (X,
 R) form a group. Within a group, same-shape matrices (canonical orientation) of
-one dtype form a
-bucket, and the buckets are cut into exchanges: all of them in one
-  (``"combined"``) or one
-per bucket (``"per_shape"``).
+one dtype form a bucket, and the buckets are cut into exchanges: all of them in
+one (``"combined"``) or one per bucket (``"per_shape"``).
 """
 
 from __future__ import annotations

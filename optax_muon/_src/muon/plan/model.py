@@ -14,41 +14,35 @@ shardings. Per leaf, the mesh axes fall into three sets:
   "redundant" each computes everything.
 
 Leaves with the same (X, R) form a group; a leaf without sharding information is
-a group of
-its own kind, the trivial one: one device, no exchange. Within a group,
-  same-shape matrices
-(canonical orientation, m ≤ n) of one dtype form a bucket, run as one batched NS
-call per device. The group's workers are its devices along X, times those along
-R with the split policy; every local matrix gets one worker as its owner.
+a group of its own kind, the trivial one: one device, no exchange. Within a
+group, same-shape matrices (canonical orientation, m ≤ n) of one dtype form a
+bucket, run as one batched NS call per device. The group's workers are its
+devices along X, times those along R with the split policy; every local matrix
+gets one worker as its owner.
 
 Owners are chosen for the whole tree at once, longest processing time first:
-  matrices in
-decreasing order of their NS FLOPs c_j, each to the worker whose devices end up
-least loaded (a device's load sums over all groups, so a device idle in one
-group takes more work in another), weighing the bytes the worker receives as
-well, because an all-to-all sends equal chunks sized by the busiest owner.
-Workers owning the same sequence of matrix kinds run the same program; distinct
-programs are the branches of one ``lax.switch`` on the worker index, each
-compiled with its own NS code, so an exchange is then re-dealt as two patterns
-(plus idle workers) where that costs neither FLOPs on the busiest device nor
-chunk size.
+matrices in decreasing order of their NS FLOPs c_j, each to the worker whose
+devices end up least loaded (a device's load sums over all groups, so a device
+idle in one group takes more work in another), weighing the bytes the worker
+receives as well, because an all-to-all sends equal chunks sized by the busiest
+owner. Workers owning the same sequence of matrix kinds run the same program;
+distinct programs are the branches of one ``lax.switch`` on the worker index,
+each compiled with its own NS code, so an exchange is then re-dealt as two
+patterns (plus idle workers) where that costs neither FLOPs on the busiest
+device nor chunk size.
 
 Where devices outnumber matrices, one matrix's NS can be shared by a team of k
-workers
-(group NS, ``orthogonalization.MeshTeam``): each member gets about n/k of its
-  columns, the
-Gram matrix is all-reduced within the team every step, and every NS FLOP is
-divided by k. The teams of an exchange are the blocks of k consecutive workers;
-a team's work is a ``lax.switch`` branch all of its members take, so teams and
-whole-matrix owners coexist.
-Which kinds of matrices go to teams, and each kind's k, come from a
-  ``CostModel``: the
-critical path of the whole tree (the busiest device's NS FLOPs, its team
-collectives and its all-to-alls) is modelled for every candidate, and whole
-matrices stay unless splitting shortens it (see
-``optax_muon._src.muon.plan.teams``). An exchange's teams have one size; kinds
-given different sizes travel in separate exchanges of the group, each with the
-buckets' matrices of its kinds.
+workers (group NS, ``orthogonalization.MeshTeam``): each member gets about n/k
+of its columns, the Gram matrix is all-reduced within the team every step, and
+every NS FLOP is divided by k. The teams of an exchange are the blocks of k
+consecutive workers; a team's work is a ``lax.switch`` branch all of its members
+take, so teams and whole-matrix owners coexist. Which kinds of matrices go to
+teams, and each kind's k, come from a ``CostModel``: the critical path of the
+whole tree (the busiest device's NS FLOPs, its team collectives and its
+all-to-alls) is modelled for every candidate, and whole matrices stay unless
+splitting shortens it (see ``optax_muon._src.muon.plan.teams``). An exchange's
+teams have one size; kinds given different sizes travel in separate exchanges of
+the group, each with the buckets' matrices of its kinds.
 """
 
 from __future__ import annotations
@@ -72,8 +66,8 @@ class LeafPlacement:
   Attributes:
     layout: the global matrix layout.
     sharding: how the leaf lies on the mesh; ``None`` for a leaf without
-      sharding
-      information (the trivial plan: its global array is its local block).
+      sharding information (the trivial plan: its global array is its local
+      block).
     exchange_axes: X, in mesh order.
     replica_axes: R, in mesh order.
     flops: c, the NS FLOPs of one of its matrices.
@@ -204,10 +198,8 @@ class TeamRun:
 
   Member i of the team receives, from every device along X, the i-th of k blocks
   of its piece of each matrix along ``split_dim`` (⌈e/k⌉ of the local extent e,
-  the last ones
-  padded with zero columns, which NS leaves at zero): it holds all m rows and
-    about n/k of
-  the columns.
+  the last ones padded with zero columns, which NS leaves at zero): it holds all
+  m rows and about n/k of the columns.
 
   Attributes:
     bucket: index into the exchange's buckets.

@@ -3,13 +3,11 @@ nothing.
 
 A pattern is how many matrices of each bucket a worker owns; each distinct
 pattern is a ``lax.switch`` branch with its own NS code, so fewer patterns
-compile faster. The owner
-choice often ends with four or five patterns where two reach the same busiest
-  device: u
-workers take pattern p, v workers pattern q and the rest nothing, with u·p_b +
-v·q_b = K_b for every bucket b. A deal is taken only if it has fewer patterns
-and neither the busiest device's load nor the largest owned size (the all-to-all
-chunk) grows.
+compile faster. The owner choice often ends with four or five patterns where two
+reach the same busiest device: u workers take pattern p, v workers pattern q and
+the rest nothing, with u·p_b + v·q_b = K_b for every bucket b. A deal is taken
+only if it has fewer patterns and neither the busiest device's load nor the
+largest owned size (the all-to-all chunk) grows.
 """
 
 from __future__ import annotations

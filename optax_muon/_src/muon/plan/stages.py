@@ -10,11 +10,10 @@ them beside it. Each stage is an ``Exchange`` of the same buckets; the executor
 takes consecutive ones as one exchange (``costs.exchange_stages``).
 
 S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
-  within 2% of
-the shortest modelled time (each stage compiles its own NS code), 1 where the
-model cannot overlap collectives (``CostModel. overlap``; XLA:CPU) or where a
-stage's collective latency costs more than it hides. Exchanges with teams keep
-one stage (their team collectives already run inside NS).
+within 2% of the shortest modelled time (each stage compiles its own NS code), 1
+where the model cannot overlap collectives (``CostModel. overlap``; XLA:CPU) or
+where a stage's collective latency costs more than it hides. Exchanges with
+teams keep one stage (their team collectives already run inside NS).
 """
 
 from __future__ import annotations

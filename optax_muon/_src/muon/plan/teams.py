@@ -5,34 +5,28 @@ A kind is the matrices of one bucket whose pieces are cut the same way (one
 signature). A kind can be split over teams of k workers, k a divisor of its
 group's workers that a long-side dimension of the local block allows, each
 member then running f(k) NS FLOPs of each matrix (``SplitKind.cost``). A level
-T, a per-device FLOP budget, sets k for every kind
-of the tree: whole matrices (k = 1) if their c ≤ T, else the smallest k with
-  f(k) ≤ T (the
-cheapest k if none reaches it). Kinds of one exchange with different k travel in
-separate exchanges, one per k (an exchange's teams have one size), the whole
-matrices with the first.
+T, a per-device FLOP budget, sets k for every kind of the tree: whole matrices
+(k = 1) if their c ≤ T, else the smallest k with f(k) ≤ T (the cheapest k if
+none reaches it). Kinds of one exchange with different k travel in separate
+exchanges, one per k (an exchange's teams have one size), the whole matrices
+with the first.
 
 The candidates are the whole-matrix plan and one plan per level, the levels
 being every c and f(k) of every kind. The set does not depend on the cost model,
-which only picks
-among them: the plan chosen under a model is, under that model, no slower than
-  the
-whole-matrix plan, nor (up to ``SPLIT_MARGIN``) than the plan chosen with free
-communication. Candidates are built in increasing order of a lower bound on
-their modelled time (the busiest device's share of its group's work, its slowest
-piece of work and its all-to-alls' latency) until the bound reaches the best one
-built; whole matrices stay unless teams shorten the modelled critical path by
-more than ``SPLIT_MARGIN``.
+which only picks among them: the plan chosen under a model is, under that model,
+no slower than the whole-matrix plan, nor (up to ``SPLIT_MARGIN``) than the plan
+chosen with free communication. Candidates are built in increasing order of a
+lower bound on their modelled time (the busiest device's share of its group's
+work, its slowest piece of work and its all-to-alls' latency) until the bound
+reaches the best one built; whole matrices stay unless teams shorten the
+modelled critical path by more than ``SPLIT_MARGIN``.
 
 With communication prohibitive the whole-matrix plan stays wherever a team's
-collectives
-(the standard iteration: 3 per step, (k − 1)/k·m² elements each) outweigh what
-  the team
-takes off the busiest all-to-all chunk (at most 2·(k − 1)/k·m·n for an m × n
-matrix), that
-is unless some matrix on the busiest chunk is more than about 7.5 times as long
-  as wide: then
-the model prefers, and the planner takes, the team.
+collectives (the standard iteration: 3 per step, (k − 1)/k·m² elements each)
+outweigh what the team takes off the busiest all-to-all chunk (at most 2·(k −
+1)/k·m·n for an m × n matrix), that is unless some matrix on the busiest chunk
+is more than about 7.5 times as long as wide: then the model prefers, and the
+planner takes, the team.
 """
 
 from __future__ import annotations
@@ -128,8 +122,7 @@ def split_dim(p: LeafPlacement, size: int) -> ColumnSplit | None:
   local extent padded to a multiple of ``size``, the least padding first, then
   the largest extent; None if every long-side dimension's local extent e is at
   most ``size``/2 (at ``size`` ≥ e each member holds one of the e columns, or
-  only padding, so a larger team saves nothing).
-  """
+  only padding, so a larger team saves nothing)."""
   layout = p.layout
   long_side = layout.reduction_axes if layout.transposed else layout.output_axes
   options = [
@@ -281,8 +274,7 @@ def split_exchange(
 ) -> list[tuple[ExchangeBuckets, TeamSplit | None]]:
   """``exchange`` cut into one exchange per team size of ``sizes``, largest
   first, each with the kinds of that size (and the first with the whole ones),
-  and each one's split.
-  """
+  and each one's split."""
   team_sizes = sorted({k for k in sizes.values() if k > 1}, reverse=True)
   if not team_sizes:
     return [(exchange, None)]
