@@ -205,11 +205,11 @@ def target_profile(mesh):
   import jax.numpy as jnp  # noqa: PLC0415
 
   import optax_muon  # noqa: PLC0415
-  from optax_muon import costs  # noqa: PLC0415
+  from optax_muon._src.core import profiles  # noqa: PLC0415
 
-  devices = costs.mesh_devices(mesh)
+  devices = profiles.mesh_devices(mesh)
   compute = optax_muon.NSOptions().resolved(devices[0].platform).compute_dtype
-  return costs.profile_of(devices).for_dtype(compute or jnp.float32)
+  return profiles.profile_of(devices).for_dtype(compute or jnp.float32)
 
 
 def optimizers(
@@ -302,7 +302,6 @@ def row(
 
   import hlo_cost  # noqa: PLC0415
   import optax_muon  # noqa: PLC0415
-  from optax_muon import costs  # noqa: PLC0415
 
   n = mesh.devices.size
   profile = target_profile(mesh)
@@ -344,9 +343,7 @@ def row(
     out["teams"] = sorted(
         {ex.team_size for g in plan.groups for ex in g.exchanges if ex.teams}
     ) or [1]
-    out["stages"] = max(
-        len(s) for g in plan.groups for s in costs.exchange_stages(g.exchanges)
-    )
+    out["stages"] = max(len(s) for g in plan.groups for s in g.stages())
   if name.startswith("dion"):
     with jax.set_mesh(mesh):
       summary = optax_muon.summarize(params, tx)

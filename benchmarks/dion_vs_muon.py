@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         label = "bf16" if dtype else "f32"
         row[f"Muon {label} ms"] = plan.critical_seconds(ns_model) * 1e3
         row[f"Muon {label} MB"] = (
-            float(optax_muon._src.muon.costs.device_received_bytes(plan).max())
-            / 1e6
+            float(plan.device_received_bytes().max()) / 1e6
         )
       for fraction in RANKS:
         seconds, received = dion_step(

@@ -26,9 +26,7 @@ PROHIBITIVE = om.CostModel(1e12, 1.0, 1.0)
 
 
 def _stage_counts(plan):
-  return [
-      len(s) for g in plan.groups for s in costs.exchange_stages(g.exchanges)
-  ]
+  return [len(s) for g in plan.groups for s in g.stages()]
 
 
 def test_pipelined_seconds():
@@ -129,7 +127,7 @@ def test_the_cost_model_chooses_the_stages():
   model = staged.cost_model
   ns, out, back = zip(
       *(
-          costs._stage_seconds(staged, g, ex, model)
+          g.stage_seconds(ex, staged.wire_itemsize(ex), model)
           for g in staged.groups
           for ex in g.exchanges
       )

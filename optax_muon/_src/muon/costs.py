@@ -1,15 +1,15 @@
 """Cost accounting: what Newton–Schulz and the plan's collectives cost, and how
 long it takes.
 
-The one module that counts; the planner, ``summarize`` and the tests that check
-the compiled update against the plan all read it.
+The planner, ``summarize`` and the tests that check the compiled update against
+the plan all read it.
 
 * NS FLOPs of one matrix, whole or per team member (``ns_flops``; ``uses_gram``
   picks the iteration by them; ``matrix_flops`` and ``team_cost`` under an
   ``NSOptions``), and the collectives a team member runs (``team_collectives``,
   ``TeamCost``).
-* Modelled time, an alpha–beta model of one device (``CostModel``, ``PROFILES``,
-  ``default_cost_model``, from ``optax_muon._src.core.profiles``): time = FLOPs
+* Modelled time, an alpha–beta model of one device (``CostModel``, from
+  ``core.profiles``): time = FLOPs
   / flops_per_second + Σ over collectives (collective_latency + bytes received /
   bytes_per_second). A matrix of c FLOPs of Newton–Schulz takes c / rate on one
   device; on a team of k devices about c / (k·rate) on each, plus per step the
@@ -17,13 +17,12 @@ the compiled update against the plan all read it.
   the all-gather of the polynomial's rows, each receiving (k − 1)/k·m² elements.
   Splitting pays when the compute it saves exceeds the collectives it adds; the
   plan decides that for the whole tree (``optax_muon._src.muon.plan``).
-* A plan's figures per device: NS FLOPs, received bytes and modelled seconds per
-  step, the busiest device's, and the lower bound on its NS FLOPs
-  (``device_ns_flops``, ``device_received_bytes``, ``device_seconds``,
-  ``critical_ns_flops``, ``critical_seconds``, ``ns_flops_bound``; ``Plan`` has
-  them as methods too). They take the plan as an argument and import nothing of
-  it: the plan holds ``TeamCost`` and ``CostModel`` values, so it sits above
-  this module.
+* The pipelined time of an exchange in stages (``pipelined_seconds``).
+
+A plan's figures per device (NS FLOPs, received bytes, modelled seconds, the
+busiest device's and the lower bound) are the plan's own methods
+(``plan.model.Plan``): the plan holds ``TeamCost`` and ``CostModel`` values, so
+it sits above this module.
 """
 
 from __future__ import annotations
@@ -33,13 +32,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_muon._src.core.matrices import ns_orientation
-from optax_muon._src.core.profiles import (
-    CostModel,
-    default_cost_model,  # noqa: F401
-)
+from optax_muon._src.core.profiles import CostModel
 
 METHODS = ("standard", "gram", "auto")
 #: Steps between Gram restarts; see ``newton_schulz``.
@@ -265,60 +260,7 @@ class TeamCost:
     ) + self.collective_seconds(model, matrices)
 
 
-# A plan's figures per device.
-
-
-def program_flops(ex: Any) -> tuple[int, ...]:
-  """NS FLOPs of each program of whole matrices of an ``Exchange``."""
-  return tuple(
-      sum(
-          count * b.flops for runs, b in zip(p, ex.buckets) for _, count in runs
-      )
-      for p in ex.programs
-  )
-
-
-def team_program_flops(ex: Any) -> tuple[int, ...]:
-  """NS FLOPs of each team program of an ``Exchange``, on each member."""
-  flops = {}
-  for runs in ex.teams:
-    flops[tuple(r.key for r in runs)] = sum(
-        len(r.matrices) * r.cost.flops for r in runs
-    )
-  return tuple(flops[p] for p in ex.team_programs)
-
-
-def worker_team_flops(ex: Any) -> np.ndarray:
-  """Per worker of an ``Exchange``, its NS FLOPs in its team."""
-  return ex.per_worker(lambda r: len(r.matrices) * r.cost.flops).astype(
-      np.int64
-  )
-
-
-def worker_team_collective_seconds(ex: Any, model: CostModel) -> np.ndarray:
-  """Per worker of an ``Exchange``, the modelled time of its team's collectives
-  (each carries all of a run's matrices)."""
-  return ex.per_worker(
-      lambda r: r.cost.collective_seconds(model, len(r.matrices))
-  ).astype(np.float64)
-
-
-def exchange_stages(exchanges) -> list[tuple]:
-  """A group's exchanges, consecutive ones of the same buckets (without teams)
-  together: the stages of one exchange split by matrix so that its all-to-alls
-  pipeline with NS (``plan.stages``)."""
-  runs: list[list] = []
-  for ex in exchanges:
-    if (
-        runs
-        and not ex.teams
-        and not runs[-1][-1].teams
-        and runs[-1][-1].buckets == ex.buckets
-    ):
-      runs[-1].append(ex)
-    else:
-      runs.append([ex])
-  return [tuple(r) for r in runs]
+# Modelled time of an exchange in stages.
 
 
 def pipelined_seconds(
@@ -340,174 +282,3 @@ def pipelined_seconds(
     )
     total += max(compute, moving)
   return total
-
-
-def _worker_flops(ex: Any) -> np.ndarray:
-  """Per worker of an ``Exchange``, its NS FLOPs (whole matrices and team
-  share)."""
-  return np.asarray(program_flops(ex), np.int64)[
-      np.asarray(ex.program_of)
-  ] + worker_team_flops(ex)
-
-
-def _wire_itemsize(plan: Any, ex: Any) -> int:
-  return np.dtype(
-      plan.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
-  ).itemsize
-
-
-def _exchange_bytes(
-    plan: Any, group: Any, ex: Any, ragged: bool = False
-) -> np.ndarray:
-  """Per worker, the bytes each of its devices receives in the exchange ``ex``
-  (see ``device_received_bytes``)."""
-  g, replicas = group.exchange_size, group.workers // group.exchange_size
-  # Elements one device sends each worker: its piece of every matrix the worker
-  # owns.
-  owned = np.array(ex.owned_elements(g), np.float64)
-  if ragged:  # its own matrices' pieces in, its pieces of everyone else's back
-    per_worker = (g - 1) * owned + owned.sum() - owned
-  else:
-    per_worker = np.full(
-        group.workers, (2 * (g - 1) + (replicas - 1) * g) * ex.chunk(g)
-    )
-  return _wire_itemsize(plan, ex) * per_worker
-
-
-def device_ns_flops(plan: Any) -> np.ndarray:
-  """NS FLOPs each device runs per step under ``plan``, as an array of the
-  mesh's shape."""
-  loads = np.zeros([size for _, size in plan.mesh_shape], np.int64)
-  for group in plan.groups:
-    worker = group.worker_of_devices(plan.mesh_shape)
-    for ex in group.exchanges:
-      loads = loads + _worker_flops(ex)[worker]
-  return loads
-
-
-def device_received_bytes(plan: Any, ragged: bool = False) -> np.ndarray:
-  """Bytes each device receives per step under ``plan``, as an array of the
-  mesh's shape.
-
-  Args:
-    plan: the ``Plan``.
-    ragged: count only the pieces each device needs, as
-      ``jax.lax.ragged_all_to_all`` would send them, instead of the equal chunks
-      of ``jax.lax.all_to_all`` (which is what runs: XLA:CPU does not implement
-      the ragged collective).
-
-  Returns:
-    Per device: the all-to-all over X each way (chunks of the busiest worker's
-    size from each of the g − 1 peers), plus the all-gather of the replicas'
-    results when they split the work.
-  """
-  received = np.zeros([size for _, size in plan.mesh_shape], np.float64)
-  for group in plan.groups:
-    if group.workers == 1:
-      continue
-    worker = group.worker_of_devices(plan.mesh_shape)
-    for ex in group.exchanges:
-      received += _exchange_bytes(plan, group, ex, ragged)[worker]
-  return received
-
-
-def _stage_seconds(
-    plan: Any, group: Any, ex: Any, model: CostModel
-) -> tuple[float, float, float]:
-  """One stage of a pipelined exchange: the busiest worker's NS time (team
-  collectives included), the all-to-all out and the way back (with the replicas'
-  all-gather)."""
-  compute = (
-      _worker_flops(ex) / model.flops_per_second
-      + worker_team_collective_seconds(ex, model)
-  ).max()
-  g, replicas = group.exchange_size, group.workers // group.exchange_size
-  chunk = _wire_itemsize(plan, ex) * ex.chunk(g)
-  one_way = model.collective_seconds((g - 1) * chunk) if g > 1 else 0.0
-  gather = (
-      model.collective_seconds((replicas - 1) * g * chunk)
-      if group.split
-      else 0.0
-  )
-  return float(compute), one_way, one_way + gather
-
-
-def device_seconds(plan: Any, model: CostModel | None = None) -> np.ndarray:
-  """Modelled NS and exchange time of each device per step, as an array of the
-  mesh's shape: its whole matrices' FLOPs, its team's (FLOPs and collectives),
-  and its all-to-alls (and replica all-gathers); an exchange in stages takes its
-  pipelined time (``pipelined_seconds``) on each of its group's devices.
-
-  Args:
-    plan: the ``Plan``.
-    model: the cost model; ``None`` takes the plan's (or, if none, the default
-      profile).
-  """
-  model = model or plan.cost_model or default_cost_model()
-  flops = np.zeros([size for _, size in plan.mesh_shape], np.int64)
-  received = np.zeros(flops.shape, np.float64)
-  single, staged = [], []
-  for group in plan.groups:
-    worker = group.worker_of_devices(plan.mesh_shape)
-    for stages in exchange_stages(group.exchanges):
-      if len(stages) > 1:
-        staged.append((group, stages))
-        continue
-      single.append((group, worker, stages[0]))
-      flops = flops + _worker_flops(stages[0])[worker]
-      if group.workers > 1:
-        received = received + _exchange_bytes(plan, group, stages[0])[worker]
-  seconds = flops / model.flops_per_second + received / model.bytes_per_second
-  for group, worker, ex in single:
-    if group.workers > 1:
-      seconds = (
-          seconds
-          + (2 * (group.exchange_size > 1) + group.split)
-          * (model.collective_latency)
-          + worker_team_collective_seconds(ex, model)[worker]
-      )
-  for group, stages in staged:
-    ns, out, back = zip(
-        *(_stage_seconds(plan, group, ex, model) for ex in stages)
-    )
-    seconds = seconds + pipelined_seconds(ns, out, back)
-  return seconds
-
-
-def critical_seconds(plan: Any, model: CostModel | None = None) -> float:
-  """Modelled time of the busiest device (see ``device_seconds``)."""
-  return float(device_seconds(plan, model).max())
-
-
-def critical_ns_flops(plan: Any) -> int:
-  """NS FLOPs of the busiest device."""
-  return int(device_ns_flops(plan).max())
-
-
-def ns_flops_bound(plan: Any) -> float:
-  """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS
-  FLOPs."""
-  costs = [(p.layout.batch, p.flops) for p in plan.leaves]
-  return max(
-      sum(k * c for k, c in costs) / plan.device_count, max(c for _, c in costs)
-  )
-
-
-def switches(plan: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
-  """Per ``lax.switch`` of ``plan`` (an exchange with several programs of whole
-  matrices, or with several team programs): each branch's NS FLOPs, and the
-  branch every device takes (an array of the mesh's shape)."""
-  out = []
-  for group in plan.groups:
-    worker = group.worker_of_devices(plan.mesh_shape)
-    for ex in group.exchanges:
-      if len(ex.programs) > 1:
-        out.append((program_flops(ex), np.asarray(ex.program_of)[worker]))
-      if len(ex.team_programs) > 1:
-        out.append(
-            (
-                team_program_flops(ex),
-                np.asarray(ex.team_program_of)[worker // ex.team_size],
-            )
-        )
-  return out

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_muon._src.muon import costs
 from optax_muon._src.muon.newton_schulz import MeshTeam
 from optax_muon._src.muon.plan.model import (
     Exchange,
@@ -532,7 +531,7 @@ def _orthogonalize_local(
   """
   out: list[jax.Array | None] = [None] * len(blocks)
   for group in groups:
-    for stages in costs.exchange_stages(group.exchanges):
+    for stages in group.stages():
       _run_exchange(blocks, plan, ns, group, stages, out)
   return out
 

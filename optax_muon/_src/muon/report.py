@@ -35,11 +35,7 @@ def _placement(plan: Plan, index: int, team_run) -> str:
       g for g in plan.groups if any(index in b.members for b in g.buckets)
   )
   bucket = next(b for b in group.buckets if index in b.members)
-  stages = next(
-      s
-      for s in costs.exchange_stages(group.exchanges)
-      if bucket in s[0].buckets
-  )
+  stages = next(s for s in group.stages() if bucket in s[0].buckets)
   k = stages[0].buckets.index(bucket)
   parts = [
       f"all-to-all over {'×'.join(group.exchange_axes)}"
@@ -169,11 +165,11 @@ class MuonSummary(RoutingSummary):
     if self.plan is not None and self.plan.sharded:
       footer += (
           f" Sharded leaves on {self.plan.device_count} devices: NS"
-          f" {costs.critical_ns_flops(self.plan) / 1e9:.3f} GFLOP on the"
+          f" {self.plan.critical_ns_flops() / 1e9:.3f} GFLOP on the"
           " busiest device (whole-matrix lower bound"
-          f" {costs.ns_flops_bound(self.plan) / 1e9:.3f}); modelled NS and"
+          f" {self.plan.ns_flops_bound() / 1e9:.3f}); modelled NS and"
           " exchange time"
-          f" {costs.critical_seconds(self.plan, self.cost_model) * 1e3:.3g} ms"
+          f" {self.plan.critical_seconds(self.cost_model) * 1e3:.3g} ms"
           " on the busiest device (cost profile:"
           f" {self.cost_model.name or 'given'})."
       )

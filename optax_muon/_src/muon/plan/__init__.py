@@ -3,8 +3,10 @@
 One module per concern:
 
 * ``model``: the data model (``LeafPlacement``, ``Bucket``, ``TeamRun``,
-  ``Exchange``, ``Group``, ``Plan``), and the model of exchange, batch and
-  replica axes in words;
+  ``Exchange``, ``Group``, ``Plan``), the model of exchange, batch and replica
+  axes in words, and the figures they imply (each exchange's FLOPs per worker,
+  each device's NS FLOPs, received bytes and modelled time: ``Plan``'s
+  methods);
 * ``grouping``: each leaf's axes, the groups of leaves that share them, their
   buckets;
 * ``owners``: which worker orthogonalizes each whole matrix (longest processing

@@ -8,7 +8,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optax_muon._src.muon.costs import CostModel, TeamCost, default_cost_model
+from optax_muon._src.core.profiles import CostModel, default_cost_model
+from optax_muon._src.muon.costs import TeamCost
 from optax_muon._src.core.matrices import MatrixLayout
 from optax_muon._src.core.options import ShardingOptions
 from optax_muon._src.muon.plan.exchanges import make_exchange

@@ -53,8 +53,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from optax_muon._src.core.profiles import CostModel, default_cost_model
 from optax_muon._src.muon import costs
-from optax_muon._src.muon.costs import CostModel, TeamCost
+from optax_muon._src.muon.costs import TeamCost
 from optax_muon._src.core.matrices import MatrixLayout
 from optax_muon._src.core.sharding import LeafSharding
 
@@ -299,6 +300,46 @@ class Exchange:
     pieces."""
     return max(self.owned_elements(exchange_size))
 
+  # The exchange's figures per worker.
+
+  def program_flops(self) -> tuple[int, ...]:
+    """NS FLOPs of each program of whole matrices."""
+    return tuple(
+        sum(
+            count * b.flops
+            for runs, b in zip(p, self.buckets)
+            for _, count in runs
+        )
+        for p in self.programs
+    )
+
+  def team_program_flops(self) -> tuple[int, ...]:
+    """NS FLOPs of each team program, on each member."""
+    flops = {}
+    for runs in self.teams:
+      flops[tuple(r.key for r in runs)] = sum(
+          len(r.matrices) * r.cost.flops for r in runs
+      )
+    return tuple(flops[p] for p in self.team_programs)
+
+  def worker_team_flops(self) -> np.ndarray:
+    """Per worker, its NS FLOPs in its team."""
+    return self.per_worker(lambda r: len(r.matrices) * r.cost.flops).astype(
+        np.int64
+    )
+
+  def worker_team_collective_seconds(self, model: CostModel) -> np.ndarray:
+    """Per worker, the modelled time of its team's collectives (each carries all
+    of a run's matrices)."""
+    return self.per_worker(
+        lambda r: r.cost.collective_seconds(model, len(r.matrices))
+    ).astype(np.float64)
+
+  def worker_flops(self) -> np.ndarray:
+    """Per worker, its NS FLOPs (whole matrices and team share)."""
+    whole = np.asarray(self.program_flops(), np.int64)
+    return whole[np.asarray(self.program_of)] + self.worker_team_flops()
+
 
 @dataclasses.dataclass(frozen=True)
 class Group:
@@ -349,6 +390,62 @@ class Group:
         x * self.replica_size + linear(self.replica_axes) if self.split else x
     )
 
+  def stages(self) -> list[tuple[Exchange, ...]]:
+    """The exchanges, consecutive ones of the same buckets (without teams)
+    together: the stages of one exchange split by matrix so that its all-to-alls
+    pipeline with NS (``plan.stages``)."""
+    runs: list[list[Exchange]] = []
+    for ex in self.exchanges:
+      if (
+          runs
+          and not ex.teams
+          and not runs[-1][-1].teams
+          and runs[-1][-1].buckets == ex.buckets
+      ):
+        runs[-1].append(ex)
+      else:
+        runs.append([ex])
+    return [tuple(r) for r in runs]
+
+  def received_bytes(
+      self, ex: Exchange, itemsize: int, ragged: bool = False
+  ) -> np.ndarray:
+    """Per worker, the bytes each of its devices receives in the exchange ``ex``
+    of ``itemsize``-byte elements (see ``Plan.device_received_bytes``)."""
+    g, replicas = self.exchange_size, self.workers // self.exchange_size
+    # Elements one device sends each worker: its piece of every matrix the
+    # worker owns.
+    owned = np.array(ex.owned_elements(g), np.float64)
+    if (
+        ragged
+    ):  # its own matrices' pieces in, its pieces of everyone else's back
+      per_worker = (g - 1) * owned + owned.sum() - owned
+    else:
+      per_worker = np.full(
+          self.workers, (2 * (g - 1) + (replicas - 1) * g) * ex.chunk(g)
+      )
+    return itemsize * per_worker
+
+  def stage_seconds(
+      self, ex: Exchange, itemsize: int, model: CostModel
+  ) -> tuple[float, float, float]:
+    """One stage ``ex`` of a pipelined exchange: the busiest worker's NS time
+    (team collectives included), the all-to-all out and the way back (with the
+    replicas' all-gather)."""
+    compute = (
+        ex.worker_flops() / model.flops_per_second
+        + ex.worker_team_collective_seconds(model)
+    ).max()
+    g, replicas = self.exchange_size, self.workers // self.exchange_size
+    chunk = itemsize * ex.chunk(g)
+    one_way = model.collective_seconds((g - 1) * chunk) if g > 1 else 0.0
+    gather = (
+        model.collective_seconds((replicas - 1) * g * chunk)
+        if self.split
+        else 0.0
+    )
+    return float(compute), one_way, one_way + gather
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -384,35 +481,124 @@ class Plan:
   def sharded(self) -> bool:
     return any(g.sharded for g in self.groups)
 
-  # The plan's figures per device, counted in ``optax_muon._src.muon.costs``.
+  # The plan's figures per device, as arrays of the mesh's shape.
+
+  def wire_itemsize(self, ex: Exchange) -> int:
+    """Bytes per element of ``ex``'s all-to-all buffers."""
+    dtype = self.wire_dtype or np.result_type(*(b.dtype for b in ex.buckets))
+    return np.dtype(dtype).itemsize
 
   def device_ns_flops(self) -> np.ndarray:
-    """NS FLOPs each device runs per step (``costs.device_ns_flops``)."""
-    return costs.device_ns_flops(self)
+    """NS FLOPs each device runs per step."""
+    loads = np.zeros([size for _, size in self.mesh_shape], np.int64)
+    for group in self.groups:
+      worker = group.worker_of_devices(self.mesh_shape)
+      for ex in group.exchanges:
+        loads = loads + ex.worker_flops()[worker]
+    return loads
 
   def device_received_bytes(self, ragged: bool = False) -> np.ndarray:
-    """Bytes each device receives per step (``costs.device_received_bytes``)."""
-    return costs.device_received_bytes(self, ragged)
+    """Bytes each device receives per step.
+
+    Args:
+      ragged: count only the pieces each device needs, as
+        ``jax.lax.ragged_all_to_all`` would send them, instead of the equal
+        chunks of ``jax.lax.all_to_all`` (which is what runs: XLA:CPU does not
+        implement the ragged collective).
+
+    Returns:
+      Per device: the all-to-all over X each way (chunks of the busiest worker's
+      size from each of the g − 1 peers), plus the all-gather of the replicas'
+      results when they split the work.
+    """
+    received = np.zeros([size for _, size in self.mesh_shape], np.float64)
+    for group in self.groups:
+      if group.workers == 1:
+        continue
+      worker = group.worker_of_devices(self.mesh_shape)
+      for ex in group.exchanges:
+        received += group.received_bytes(ex, self.wire_itemsize(ex), ragged)[
+            worker
+        ]
+    return received
 
   def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
-    """Modelled NS and exchange time of each device per step
-    (``costs.device_seconds``)."""
-    return costs.device_seconds(self, model)
+    """Modelled NS and exchange time of each device per step: its whole
+    matrices' FLOPs, its team's (FLOPs and collectives), and its all-to-alls
+    (and replica all-gathers); an exchange in stages takes its pipelined time
+    (``costs.pipelined_seconds``) on each of its group's devices.
+
+    Args:
+      model: the cost model; ``None`` takes the plan's (or, if none, the default
+        profile).
+    """
+    model = model or self.cost_model or default_cost_model()
+    flops = np.zeros([size for _, size in self.mesh_shape], np.int64)
+    received = np.zeros(flops.shape, np.float64)
+    single, staged = [], []
+    for group in self.groups:
+      worker = group.worker_of_devices(self.mesh_shape)
+      for stages in group.stages():
+        if len(stages) > 1:
+          staged.append((group, stages))
+          continue
+        ex = stages[0]
+        single.append((group, worker, ex))
+        flops = flops + ex.worker_flops()[worker]
+        if group.workers > 1:
+          itemsize = self.wire_itemsize(ex)
+          received = received + group.received_bytes(ex, itemsize)[worker]
+    seconds = flops / model.flops_per_second + received / model.bytes_per_second
+    for group, worker, ex in single:
+      if group.workers > 1:
+        latencies = 2 * (group.exchange_size > 1) + group.split
+        seconds = (
+            seconds
+            + latencies * model.collective_latency
+            + ex.worker_team_collective_seconds(model)[worker]
+        )
+    for group, stages in staged:
+      ns, out, back = zip(
+          *(
+              group.stage_seconds(ex, self.wire_itemsize(ex), model)
+              for ex in stages
+          )
+      )
+      seconds = seconds + costs.pipelined_seconds(ns, out, back)
+    return seconds
 
   def critical_seconds(self, model: CostModel | None = None) -> float:
-    """Modelled time of the busiest device (``costs.critical_seconds``)."""
-    return costs.critical_seconds(self, model)
+    """Modelled time of the busiest device (see ``device_seconds``)."""
+    return float(self.device_seconds(model).max())
 
   def critical_ns_flops(self) -> int:
-    """NS FLOPs of the busiest device (``costs.critical_ns_flops``)."""
-    return costs.critical_ns_flops(self)
+    """NS FLOPs of the busiest device."""
+    return int(self.device_ns_flops().max())
 
   def ns_flops_bound(self) -> float:
-    """The lower bound on the busiest device's NS FLOPs
-    (``costs.ns_flops_bound``)."""
-    return costs.ns_flops_bound(self)
+    """The lower bound max(Σ_j c_j / N, max_j c_j) on the busiest device's NS
+    FLOPs."""
+    flops = [(p.layout.batch, p.flops) for p in self.leaves]
+    return max(
+        sum(k * c for k, c in flops) / self.device_count,
+        max(c for _, c in flops),
+    )
 
   def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
-    """Each ``lax.switch``'s branch FLOPs and the branch every device takes
-    (``costs.switches``)."""
-    return costs.switches(self)
+    """Per ``lax.switch`` (an exchange with several programs of whole matrices,
+    or with several team programs): each branch's NS FLOPs, and the branch every
+    device takes (an array of the mesh's shape)."""
+    out = []
+    for group in self.groups:
+      worker = group.worker_of_devices(self.mesh_shape)
+      for ex in group.exchanges:
+        if len(ex.programs) > 1:
+          out.append((ex.program_flops(), np.asarray(ex.program_of)[worker]))
+        if len(ex.team_programs) > 1:
+          out.append(
+              (
+                  ex.team_program_flops(),
+                  np.asarray(ex.team_program_of)[worker // ex.team_size],
+              )
+          )
+    return out

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optax_muon._src.muon.costs import CostModel
+from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.muon.plan.grouping import ExchangeBuckets, MeshShape
 from optax_muon._src.muon.plan.model import Bucket, Group, LeafPlacement
 from optax_muon._src.muon.plan.teams import Kind, TeamSplit

@@ -7,7 +7,7 @@ stages (each worker's matrices in program order, cut into S runs of about equal
 FLOPs), the all-to-alls of stage s + 1 (out) and s − 1 (back) have no data
 dependence on stage s's NS, so a scheduler with asynchronous collectives runs
 them beside it. Each stage is an ``Exchange`` of the same buckets; the executor
-takes consecutive ones as one exchange (``costs.exchange_stages``).
+takes consecutive ones as one exchange (``Group.stages``).
 
 S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
 within 2% of the shortest modelled time (each stage compiles its own NS code), 1
@@ -22,8 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from optax_muon._src.muon import costs
-from optax_muon._src.muon.costs import CostModel
+from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.muon.plan.exchanges import make_exchange
 from optax_muon._src.muon.plan.model import Exchange, Group, Plan
 from optax_muon._src.muon.plan.owners import Ownership
@@ -88,7 +87,7 @@ def _staged_seconds(
   part = dataclasses.replace(
       plan, groups=(dataclasses.replace(group, exchanges=stages),)
   )
-  return float(costs.device_seconds(part, model).max())
+  return part.critical_seconds(model)
 
 
 def choose_stages(

@@ -36,7 +36,8 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from optax_muon._src.muon.costs import CostModel, TeamCost, critical_seconds
+from optax_muon._src.core.profiles import CostModel
+from optax_muon._src.muon.costs import TeamCost
 from optax_muon._src.muon.plan.grouping import ExchangeBuckets
 from optax_muon._src.muon.plan.model import Bucket, Group, LeafPlacement, Plan
 
@@ -410,13 +411,13 @@ def choose_teams(
           -level,
           sizes,
       )
-  whole_seconds = critical_seconds(whole, model)
+  whole_seconds = whole.critical_seconds(model)
   best_plan, best_seconds = whole, whole_seconds
   for bound, _, sizes in sorted(candidates.values(), key=lambda c: c[:2]):
     if bound >= best_seconds:
       break
     plan = plan_with(*_layout(exchanges, found, sizes, placements))
-    seconds = critical_seconds(plan, model)
+    seconds = plan.critical_seconds(model)
     if seconds < best_seconds:
       best_plan, best_seconds = plan, seconds
   return (
