@@ -445,28 +445,6 @@ def _undescribed_notice(items: list[tuple[str, Any]]) -> str:
   )
 
 
-def degenerate_notice(
-    items: list[tuple[str, tuple[int, ...], int, tuple[int, int]]],
-) -> str | None:
-  """A warning for Muon leaves whose matrices have a side shorter than 2 (NS of
-  a 1 × n matrix only normalizes it). ``items``: (path, shape, batch, (m, n))
-  per Muon leaf."""
-  bad = [
-      f"{path} ({'×'.join(map(str, shape))} as {batch} × {m}×{n})"
-      for path, shape, batch, (m, n) in items
-      if min(m, n) < 2 and m * n > 0
-  ]
-  if not bad:
-    return None
-  return (
-      "optax_muon: Muon leaves whose matrices have a side shorter than 2:"
-      f" {tree_utils.listing(bad)}. Newton–Schulz of a 1 × n matrix only scales"
-      " it to unit norm (every entry's sign kept): check their dimension"
-      " numbers (an axis marked batch that is a matrix axis?), or route them"
-      " to AdamW."
-  )
-
-
 def infer_dimension_numbers(
     params: Any,
     routing: Routing | None = None,

@@ -37,7 +37,6 @@ from optax_muon._src.core.routing import (
     Route,
     RoutedDimensionNumbers,
     decide,
-    degenerate_notice,
 )
 from optax_muon._src.core.sharding import (
     LeafSharding,
@@ -144,7 +143,7 @@ def branch_options(options: TreeOptions) -> TreeOptions:
   )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LeafSpec:
   """One array leaf of the tree.
 
@@ -174,7 +173,7 @@ class LeafSpec:
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TreeSpec:
   """The spec of a tree.
 
@@ -250,6 +249,26 @@ class TreeSpec:
     for i, value in zip(self.muon_positions, values):
       leaves[i] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def degenerate_notice(muon: list[LeafSpec]) -> str | None:
+  """A warning for matrix leaves whose matrices have a side shorter than 2 (NS
+  of a 1 × n matrix only normalizes it), or None."""
+  bad = []
+  for leaf in muon:
+    m, n = leaf.layout.ns_shape
+    if min(m, n) < 2 and m * n > 0:
+      shape = "×".join(map(str, leaf.shape))
+      bad.append(f"{leaf.path} ({shape} as {leaf.layout.batch} × {m}×{n})")
+  if not bad:
+    return None
+  return (
+      "optax_muon: Muon leaves whose matrices have a side shorter than 2:"
+      f" {tree_utils.listing(bad)}. Newton–Schulz of a 1 × n matrix only scales"
+      " it to unit norm (every entry's sign kept): check their dimension"
+      " numbers (an axis marked batch that is a matrix axis?), or route them"
+      " to AdamW."
+  )
 
 
 def tree_spec(tree: Any, options: TreeOptions) -> TreeSpec:
@@ -329,17 +348,21 @@ def _build(tree: Any, options: TreeOptions, manual: bool) -> TreeSpec:
       ):
         unplanned.append(path)
     leaves.append(
-        LeafSpec(path, shape, np.dtype(leaf.dtype), r, sharding, layout)
+        LeafSpec(
+            path=path,
+            shape=shape,
+            dtype=np.dtype(leaf.dtype),
+            route=r,
+            sharding=sharding,
+            layout=layout,
+        )
     )
   muon = [l for l in leaves if l is not None and l.layout is not None]
-  degenerate = [
-      (l.path, l.shape, l.layout.batch, l.layout.ns_shape) for l in muon
-  ]
   notices += [
       n
       for n in (
           left_to_the_partitioner_notice(unplanned),
-          degenerate_notice(degenerate),
+          degenerate_notice(muon),
       )
       if n is not None
   ]
@@ -353,4 +376,9 @@ def _build(tree: Any, options: TreeOptions, manual: bool) -> TreeSpec:
         "optax_muon: the Muon leaves live on different meshes: "
         f"{sorted(meshes)}."
     )
-  return TreeSpec(tuple(leaves), manual, options, tuple(notices))
+  return TreeSpec(
+      leaves=tuple(leaves),
+      manual=manual,
+      options=options,
+      notices=tuple(notices),
+  )

@@ -78,9 +78,22 @@ def check_same_shapes(updates: Any, reference: Any, what: str) -> None:
   ours, _ = flatten_positions(updates)
   theirs, _ = flatten_positions(reference)
   if len(ours) != len(theirs):
+    ours_paths = [path_str(p) for p, _ in ours]
+    theirs_paths = [path_str(p) for p, _ in theirs]
+    missing = [p for p in theirs_paths if p not in set(ours_paths)]
+    extra = [p for p in ours_paths if p not in set(theirs_paths)]
+    named = "; ".join(
+        part
+        for part in (
+            f"missing from the updates: {listing(missing)}" if missing else "",
+            f"not in {what}: {listing(extra)}" if extra else "",
+        )
+        if part
+    )
     raise ValueError(
-        f"the updates have {len(ours)} leaves and {what} {len(theirs)}: pass "
-        "gradients of the tree the optimizer was initialized with."
+        f"the updates have {len(ours)} leaves and {what} {len(theirs)}"
+        f"{' (' + named + ')' if named else ''}: pass gradients of the tree the"
+        " optimizer was initialized with."
     )
   for (path, u), (_, r) in zip(ours, theirs):
     if is_placeholder(u) or is_placeholder(r) or not hasattr(r, "shape"):

@@ -20,7 +20,7 @@ from optax_muon._src.muon.plan.model import Plan
 from optax_muon._src.muon.plan.stages import choose_stages
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MuonTreeSpec(TreeSpec):
   """A ``TreeSpec`` made under ``MuonOptions``, with what Muon derives from it.
 

@@ -75,12 +75,12 @@ def _plan_with(
       for group, mine in zip(groups, made)
   ]
   return Plan(
-      mesh_shape,
-      tuple(placements),
-      tuple(done),
-      options.exchange,
-      options.wire_dtype,
-      model,
+      mesh_shape=mesh_shape,
+      leaves=tuple(placements),
+      groups=tuple(done),
+      exchange=options.exchange,
+      wire_dtype=options.wire_dtype,
+      cost_model=model,
   )
 
 

@@ -84,12 +84,12 @@ def _team_runs(
     out.append(
         tuple(
             TeamRun(
-                kind.bucket,
-                split.kinds[kind].leaf,
-                split.kinds[kind].split_dim,
-                tuple(js),
-                split.kinds[kind].cost,
-                split.kinds[kind].block,
+                bucket=kind.bucket,
+                leaf=split.kinds[kind].leaf,
+                split_dim=split.kinds[kind].split_dim,
+                matrices=tuple(js),
+                cost=split.kinds[kind].cost,
+                block=split.kinds[kind].block,
             )
             for kind, js in sorted(
                 runs.items(), key=lambda kv: kinds.index(kv[0])
@@ -138,10 +138,10 @@ def make_exchange(
       programs.append(program)
     program_of.append(programs.index(program))
   exchange = Exchange(
-      buckets,
-      tuple(tuple(tuple(m) for m in mine) for mine in owned),
-      tuple(programs),
-      tuple(program_of),
+      buckets=buckets,
+      owned=tuple(tuple(tuple(m) for m in mine) for mine in owned),
+      programs=tuple(programs),
+      program_of=tuple(program_of),
   )
   if split is None:
     return exchange

@@ -66,7 +66,15 @@ def place_leaves(
   for layout, sharding in zip(layouts, shardings):
     flops = cost(*layout.ns_shape, layout.dtype)
     if sharding is None:
-      placements.append(LeafPlacement(layout, None, (), (), flops))
+      placements.append(
+          LeafPlacement(
+              layout=layout,
+              sharding=None,
+              exchange_axes=(),
+              replica_axes=(),
+              flops=flops,
+          )
+      )
       continue
     matrix_axes = {
         a
@@ -75,11 +83,11 @@ def place_leaves(
     }
     placements.append(
         LeafPlacement(
-            layout,
-            sharding,
-            tuple(a for a in order if a in matrix_axes),
-            tuple(a for a in order if a not in sharding.used_axes),
-            flops,
+            layout=layout,
+            sharding=sharding,
+            exchange_axes=tuple(a for a in order if a in matrix_axes),
+            replica_axes=tuple(a for a in order if a not in sharding.used_axes),
+            flops=flops,
         )
     )
   return placements
@@ -103,11 +111,11 @@ def _buckets(
     idx = sorted(idx, key=lambda i: kinds.index(placements[i].signature))
     buckets.append(
         Bucket(
-            key[:2],
-            key[2],
-            tuple(idx),
-            sum(placements[i].local_batch for i in idx),
-            placements[idx[0]].flops,
+            shape=key[:2],
+            dtype=key[2],
+            members=tuple(idx),
+            matrices=sum(placements[i].local_batch for i in idx),
+            flops=placements[idx[0]].flops,
         )
     )
   return tuple(buckets)
@@ -143,14 +151,14 @@ def group_leaves(
     r = size(replica_axes)
     groups.append(
         Group(
-            exchange_axes,
-            replica_axes,
-            size(exchange_axes),
-            r,
-            options.replica_policy == "split" and r > 1,
-            sharded,
-            buckets,
-            (),
+            exchange_axes=exchange_axes,
+            replica_axes=replica_axes,
+            exchange_size=size(exchange_axes),
+            replica_size=r,
+            split=options.replica_policy == "split" and r > 1,
+            sharded=sharded,
+            buckets=buckets,
+            exchanges=(),
         )
     )
     parts = (

@@ -60,7 +60,7 @@ from optax_muon._src.core.matrices import MatrixLayout
 from optax_muon._src.core.sharding import LeafSharding
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LeafPlacement:
   """One Muon leaf in the plan.
 
@@ -131,7 +131,7 @@ class LeafPlacement:
     return tuple(self.matrix_dims.index(d) for d in self.layout.output_axes)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Bucket:
   """Same-shape, same-dtype matrices of one group: one batched NS call per
   worker.
@@ -192,7 +192,7 @@ class TeamRunKey(NamedTuple):
   count: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TeamRun:
   """Matrices of one kind that one team orthogonalizes together (group NS),
   split k ways.
@@ -233,7 +233,7 @@ class TeamRun:
 TeamProgram = tuple[TeamRunKey, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Exchange:
   """Buckets that travel in one all-to-all each way, and who orthogonalizes
   their matrices.
@@ -341,7 +341,7 @@ class Exchange:
     return whole[np.asarray(self.program_of)] + self.worker_team_flops()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Group:
   """Leaves sharing exchange and replica axes.
 
@@ -447,7 +447,7 @@ class Group:
     return float(compute), one_way, one_way + gather
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
   """The whole tree's orthogonalization plan.
 
