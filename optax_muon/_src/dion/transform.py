@@ -136,10 +136,13 @@ def scale_by_dion(
     B ← M − (1 − μ)·P·Rᵀ;  Q ← R with unit columns;  update = P·Qᵀ
 
   ``orthonormalize`` is a randomized Cholesky-QR (an oversampled Gaussian
-  sketch, then Cholesky-QR), stable on ill-conditioned P. At rank ``min(m, n)``
-  and a fixed gradient the update converges to Muon's U·Vᵀ. On sharded leaves
-  every product runs on the local blocks; only P's and R's partial sums, r × r
-  Grams and column norms cross devices.
+  sketch, then Cholesky-QR), stable on ill-conditioned P; where the sketch would
+  have no fewer rows than P (m ≤ ⌈oversample·r⌉: rank fractions of 0.8 and
+  above at the default ``oversample``, full rank included) P's Householder QR
+  is taken instead. At rank ``min(m, n)`` and a fixed gradient the update
+  converges to Muon's U·Vᵀ. On sharded leaves every product runs on the local
+  blocks, and what crosses devices is P's and R's partial sums, r × r Grams and
+  column norms, plus, on the QR path, P's m × r rows (all-gathered).
 
   Args:
     rank_fraction: r as a fraction of min(m, n), in (0, 1] (rounded up, at least
