@@ -50,10 +50,11 @@ def test_restore_continues_bit_identically(tmp_path, variants, layers):
       **variants,
   )
 
-  plan = om.summarize(params, tx).plan
-  assert any(ex.teams for g in plan.groups for ex in g.exchanges) == (
-      "sharding" in variants
-  )
+  if optimizer is om.muon:
+    plan = om.summarize(params, tx).plan
+    assert any(ex.teams for g in plan.groups for ex in g.exchanges) == (
+        "sharding" in variants
+    )
   with jax.set_mesh(mesh):
     update = jax.jit(lambda g, s, p: _apply(tx, g, s, p))
     state = jax.jit(tx.init)(params)

@@ -379,7 +379,7 @@ def test_shard_map_without_param_shardings_is_an_error():
   tx = om.scale_by_muon()
   with jax.set_mesh(mesh):
     state = tx.init(params)
-    state_specs = om.MuonState(P(), {"w": P("fsdp")})
+    state_specs = om.MuonState(P(), {"w": P("fsdp")}, P())
     run = jax.shard_map(
         lambda g, s: tx.update(g, s),
         mesh=mesh,

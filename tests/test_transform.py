@@ -466,8 +466,10 @@ def test_normuon_keeps_the_frobenius_norm_and_equalizes_neurons():
 
 def test_normuon_state_is_none_when_off_and_float32_for_16_bit_leaves():
   params = {"w": jnp.zeros((8, 16), jnp.bfloat16)}
-  assert om.scale_by_muon().init(params).nu is None
+  plain = om.scale_by_muon().init(params)
+  assert type(plain) is om.MuonState and not hasattr(plain, "nu")
   state = om.scale_by_muon(normalization=om.NorMuon()).init(params)
+  assert type(state).__name__ == "NorMuonState"
   assert state.nu["w"].dtype == jnp.float32
   u, state = om.scale_by_muon(normalization=om.NorMuon()).update(
       {"w": jnp.zeros((8, 16), jnp.bfloat16)}, state

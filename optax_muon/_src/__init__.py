@@ -1,4 +1,4 @@
-"""The implementation of ``optax_muon``; users import the package's face instead.
+"""The implementation of ``optax_muon``; users import the package face instead.
 
 Three layers, each importing only the ones below it:
 

@@ -1,12 +1,12 @@
-"""How a full optimizer is assembled around a matrix direction (Muon's or
-Dion's): the routed ``optax.partition`` of the matrix chain (direction, shape
-  factor, weight decay,
-learning rate) and the AdamW branch, QK-clip last; and the pieces it is made of.
+"""The pieces a full optimizer (``muon``, ``dion``) is assembled from, as
+``optax.contrib.muon`` assembles its own: the AdamW (NAdamW) branch
+(``adamw``), the weight decay stage (``decayed_weights``), and
+``matrices_and_adam``, the routed ``optax.partition`` of the matrix chain the
+alias builds and the AdamW branch, QK-clip last.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -15,9 +15,9 @@ import optax
 from optax_muon._src.core.dtypes import moment_dtype
 from optax_muon._src.core.options import check_number
 from optax_muon._src.core.routing import ADAM, MUON
-from optax_muon._src.core.scaling import check_shape_scale, shape_scaling
+from optax_muon._src.core.scaling import check_shape_scale
 from optax_muon._src.core.sharding import inside_shard_map, place_like_params
-from optax_muon._src.core.spec import TreeOptions, branch_options, tree_spec
+from optax_muon._src.core.spec import TreeOptions, tree_spec
 from optax_muon._src.core.tree_utils import check_same_shapes
 from optax_muon._src.core.user_warnings import OncePerTransformation
 from optax_muon._src.core.weight_decay import add_cautious_decayed_weights
@@ -60,9 +60,8 @@ def followed_by_stateless(
   ``tx``'s state.
 
   ``optax.chain`` would add an empty entry per stage to the state; this keeps
-  the state's structure what ``tx`` alone gives, so that the shape factor and
-  QK-clip leave it as it was (and turning QK-clip on or off leaves checkpoints
-  compatible).
+  the state's structure what ``tx`` alone gives, so that QK-clip leaves it as it
+  was (and turning QK-clip on or off leaves checkpoints compatible).
 
   Args:
     tx: the transformation whose state is kept.
@@ -122,96 +121,84 @@ def check_alias_arguments(
     )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdamBranch:
-  """The AdamW (NAdamW) optimizer of the leaves that are not matrices.
+def decayed_weights(
+    weight_decay: Any, mask: Any, *, cautious: bool
+) -> optax.GradientTransformation:
+  """The decoupled weight decay stage: ``optax.add_decayed_weights``, or
+  ``add_cautious_decayed_weights`` with ``cautious``.
 
-  Attributes:
-    learning_rate: its learning rate; None takes the matrices'.
-    b1, b2, eps_root: its moments' decays and the root's epsilon.
-    eps: its epsilon; None is ``ADAM_EPS``.
-    weight_decay, weight_decay_mask: its decoupled weight decay and which leaves
-      it decays.
-    mu_dtype: its first moment's dtype, or None.
-    nesterov: NAdamW rather than AdamW.
+  Both optimizers keep it in their chains even for λ = 0 (as
+  ``optax.contrib.muon`` and ``optax.adamw`` do), so that the state's structure
+  does not depend on whether λ is a Python number or traced
+  (``optax.inject_hyperparams``).
   """
+  decay = (
+      add_cautious_decayed_weights if cautious else optax.add_decayed_weights
+  )
+  return decay(weight_decay, mask)
 
-  learning_rate: Any = None
-  b1: Any = 0.9
-  b2: Any = 0.999
-  eps: float | None = None
-  eps_root: Any = 0.0
-  weight_decay: Any = 0.0
-  weight_decay_mask: Any = None
-  mu_dtype: Any = None
-  nesterov: bool = True
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: Any,
+    b2: Any,
+    eps: float | None,
+    eps_root: Any,
+    weight_decay: Any,
+    weight_decay_mask: Any,
+    mu_dtype: Any,
+    nesterov: bool,
+    cautious: bool,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.adamw``'s chain (``scale_by_adam``, the weight decay,
+  ``scale_by_learning_rate``) with ``decayed_weights``' decay, on float32
+  moments for 16-bit leaves (``with_float32_moments``).
+
+  Its state is ``optax.adamw``'s; ``eps=None`` is ``ADAM_EPS``; ``nesterov``
+  makes it NAdamW.
+  """
+  return with_float32_moments(
+      optax.chain(
+          optax.scale_by_adam(
+              b1=b1,
+              b2=b2,
+              eps=ADAM_EPS if eps is None else eps,
+              eps_root=eps_root,
+              mu_dtype=mu_dtype,
+              nesterov=nesterov,
+          ),
+          decayed_weights(weight_decay, weight_decay_mask, cautious=cautious),
+          optax.scale_by_learning_rate(learning_rate),
+      )
+  )
 
 
 def matrices_and_adam(
-    direction: optax.GradientTransformation,
+    matrices: optax.GradientTransformation,
+    adam: optax.GradientTransformation,
     options: TreeOptions,
     *,
-    learning_rate: optax.ScalarOrSchedule,
-    consistent_rms: Any,
-    weight_decay: Any,
-    weight_decay_mask: Any,
-    adam: AdamBranch,
-    keep: type,
+    keep: type | tuple[type, ...],
 ) -> optax.GradientTransformationExtraArgs:
-  """The full optimizer around a matrix direction: routed by ``options``, the
-  direction then the shape factor, the weight decay and the learning rate on the
-  matrices, ``adam`` on the rest, QK-clip last.
+  """``optax.partition({"muon": matrices, "adam": adam})`` routed by
+  ``options``, then QK-clip (stateless, so the state is the partition's with or
+  without it); ``init`` warns about surprising routing and places AdamW's
+  moments, ``update`` checks the gradients' shapes.
 
   Args:
-    direction: the matrices' direction (``muon_direction`` or Dion's).
-    options: the static options (routing, shapes, shardings, scale, decay kind,
-      QK-clip).
-    learning_rate: the matrices' learning rate.
-    consistent_rms: the RMS-matching factor, or None (may be an injected array).
-    weight_decay, weight_decay_mask: the matrices' decoupled weight decay.
-    adam: the other leaves' optimizer.
-    keep: the direction's state type (placed by the direction itself).
+    matrices: the matrices' chain (the direction, the shape factor, the weight
+      decay, the learning rate).
+    adam: the other leaves' optimizer (``adamw``).
+    options: the static options (routing, shapes, shardings, QK-clip).
+    keep: the direction's state type(s), placed by the direction itself.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is
+    ``optax.partition``'s.
   """
-  # The decay stage is always there (even for λ = 0) so that the state's
-  # structure does not depend on whether λ is a Python number or traced
-  # (optax.inject_hyperparams).
-  decay = (
-      add_cautious_decayed_weights
-      if options.cautious_weight_decay
-      else optax.add_decayed_weights
-  )
-  muon_chain = optax.chain(
-      followed_by_stateless(
-          direction,
-          shape_scaling(branch_options(options), consistent_rms, options.scale),
-      ),
-      decay(weight_decay, weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate),
-  )
-  # optax.adamw's own chain, with the decay stage chosen above.
-  adam_chain = with_float32_moments(
-      optax.chain(
-          optax.scale_by_adam(
-              b1=adam.b1,
-              b2=adam.b2,
-              eps=ADAM_EPS if adam.eps is None else adam.eps,
-              eps_root=adam.eps_root,
-              mu_dtype=adam.mu_dtype,
-              nesterov=adam.nesterov,
-          ),
-          decay(adam.weight_decay, adam.weight_decay_mask),
-          optax.scale_by_learning_rate(
-              learning_rate
-              if adam.learning_rate is None
-              else adam.learning_rate
-          ),
-      )
-  )
   tx = optax.partition(
-      {MUON: muon_chain, ADAM: adam_chain},
+      {MUON: matrices, ADAM: adam},
       lambda params: tree_spec(params, options).labels(params),
   )
   if options.qk_clip is not None:
@@ -220,14 +207,16 @@ def matrices_and_adam(
 
 
 def _checked_and_placed(
-    tx: optax.GradientTransformation, options: TreeOptions, keep: type
+    tx: optax.GradientTransformation,
+    options: TreeOptions,
+    keep: type | tuple[type, ...],
 ) -> optax.GradientTransformationExtraArgs:
   """``tx`` whose ``init`` warns (once) about what the routing did that the user
   may not expect and puts AdamW's moments where their params live, and whose
   ``update`` names the leaf whose gradient does not fit its param.
 
-  The direction's state (of type ``keep``) is made in place; AdamW's would be
-  replicated by ``jax.jit(tx.init)`` on an Auto mesh.
+  The direction's state (of a type in ``keep``) is made in place; AdamW's would
+  be replicated by ``jax.jit(tx.init)`` on an Auto mesh.
   """
   tx = optax.with_extra_args_support(tx)
   warnings = OncePerTransformation()

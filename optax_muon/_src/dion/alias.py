@@ -1,7 +1,6 @@
 """``dion``: the full optimizer, Dion on the matrices and AdamW (NAdamW) on the
 rest, routed, shape-scaled and decayed exactly as ``muon``
-(``core.assembly.matrices_and_adam``).
-"""
+(``core.assembly.matrices_and_adam``)."""
 
 from __future__ import annotations
 
@@ -12,14 +11,20 @@ import optax
 
 from optax_muon._src.core import tree_utils
 from optax_muon._src.core.assembly import (
-    AdamBranch,
+    adamw,
     check_alias_arguments,
+    decayed_weights,
     matrices_and_adam,
 )
 from optax_muon._src.core.matrices import is_dimension_numbers
 from optax_muon._src.core.options import Routing, check_number, check_option
 from optax_muon._src.core.qk_clipping import QKClip
-from optax_muon._src.core.spec import TreeOptions, static_or_injected
+from optax_muon._src.core.scaling import shape_scaling
+from optax_muon._src.core.spec import (
+    TreeOptions,
+    branch_options,
+    static_or_injected,
+)
 from optax_muon._src.dion.settings import make_settings
 from optax_muon._src.dion.step import OVERSAMPLE
 from optax_muon._src.dion.transform import DionState, dion_direction
@@ -56,11 +61,14 @@ def dion(
   """Dion for the network's matrices, AdamW (NAdamW with ``nesterov``) for the
   rest.
 
-  Routed, shape-scaled and decayed exactly as ``muon`` (the same arguments mean
-  the same
-  things): only the matrices' direction differs, ``scale_by_dion``'s instead of
-    Newton–
-  Schulz's. Muon leaves: W ← W − η·(scale(n_in, n_out)·P·Qᵀ + λ·W).
+  Routed, shape-scaled and decayed as ``muon`` is, from the same stages:
+  ``optax.partition`` of ``optax.chain(scale_by_dion(...), scale_by_shape(...),
+  add_decayed_weights(...), scale_by_learning_rate(...))`` and AdamW. Matrix
+  leaves move by W ← W − η·(scale(n_in, n_out)·P·Qᵀ + λ·W). The arguments the
+  two share mean what they mean for ``muon``, except three that have no Dion
+  counterpart and apply to the AdamW leaves alone: ``eps`` (Dion normalizes
+  nothing), ``mu_dtype`` (Dion's state is float32, float64 for float64 params)
+  and ``nesterov`` (Dion's momentum has no look-ahead).
 
   Args:
     learning_rate: the matrices' learning rate η, a scalar or an
@@ -128,22 +136,28 @@ def dion(
       cautious_weight_decay=cautious_weight_decay,
       qk_clip=check_option("qk_clip", qk_clip, QKClip),
   )
-  direction = dion_direction(
-      make_settings(
-          options, rank_fraction, oversample, product_dtype, power_iterations
-      ),
-      beta,
-      seed,
-  )
+  # muon's partition with Dion's direction in place of scale_by_muon.
   return matrices_and_adam(
-      direction,
-      options,
-      learning_rate=learning_rate,
-      consistent_rms=consistent_rms,
-      weight_decay=weight_decay,
-      weight_decay_mask=weight_decay_mask,
-      adam=AdamBranch(
-          learning_rate=adam_learning_rate,
+      optax.chain(
+          dion_direction(
+              make_settings(
+                  options,
+                  rank_fraction,
+                  oversample,
+                  product_dtype,
+                  power_iterations,
+              ),
+              beta,
+              seed,
+          ),
+          shape_scaling(branch_options(options), consistent_rms, scale),
+          decayed_weights(
+              weight_decay, weight_decay_mask, cautious=cautious_weight_decay
+          ),
+          optax.scale_by_learning_rate(learning_rate),
+      ),
+      adamw(
+          learning_rate if adam_learning_rate is None else adam_learning_rate,
           b1=adam_b1,
           b2=adam_b2,
           eps=eps,
@@ -152,6 +166,8 @@ def dion(
           weight_decay_mask=adam_weight_decay_mask,
           mu_dtype=mu_dtype,
           nesterov=nesterov,
+          cautious=cautious_weight_decay,
       ),
+      options,
       keep=DionState,
   )

@@ -10,21 +10,23 @@ import optax
 
 from optax_muon._src.core import tree_utils
 from optax_muon._src.core.assembly import (
-    AdamBranch,
+    adamw,
     check_alias_arguments,
+    decayed_weights,
     matrices_and_adam,
 )
 from optax_muon._src.core.matrices import is_dimension_numbers
 from optax_muon._src.core.options import Routing, ShardingOptions, check_option
 from optax_muon._src.core.qk_clipping import QKClip
-from optax_muon._src.core.spec import static_or_injected
+from optax_muon._src.core.scaling import shape_scaling
+from optax_muon._src.core.spec import branch_options, static_or_injected
 from optax_muon._src.muon.coefficients import CoefficientsLike
 from optax_muon._src.muon.options import MuonOptions, NorMuon, NSOptions
 from optax_muon._src.muon.transform import (
-    MuonHyperparams,
     MuonState,
+    NorMuonState,
     muon_direction,
-    resolve_muon_arguments,
+    muon_hyperparams,
 )
 
 
@@ -68,17 +70,27 @@ def muon(
   coefficient-table slicing), the README's "Coming from optax.contrib.muon" says
   so.
 
-  Muon leaves: W ← W − η·(scale(n_in, n_out)·NS(momentum) + λ·W) (decoupled
-    decay λ): the
-  direction of ``scale_by_muon``, then ``scale_by_shape``, then the weight
-  decay, then the learning rate, as ``optax.contrib.muon`` chains them.
-  AdamW leaves: ``optax.adamw`` with optax's ``nesterov`` (NAdamW by default, as
-  ``optax.contrib.muon``), with float32 moments for 16-bit leaves.
+  Built from its stages as ``optax.contrib.muon`` is, and with its state::
+
+    optax.partition({
+        "muon": optax.chain(scale_by_muon(...), scale_by_shape(...),
+                            add_decayed_weights(weight_decay, ...),
+                            scale_by_learning_rate(learning_rate)),
+        "adam": adamw(...),  # optax.adamw's chain
+    }, labels)
+
+  so Muon leaves move by W ← W − η·(scale(n_in, n_out)·NS(momentum) + λ·W)
+  (decoupled decay λ), and an ``optax.contrib.muon`` checkpoint restores into
+  this optimizer's state with the same arguments (``MuonState(count, mu,
+  ns_coeffs)``, then three empty states; NorMuon adds its moments to the first,
+  a ``NorMuonState``). AdamW leaves: ``optax.adamw`` with optax's ``nesterov``
+  (NAdamW by default, as ``optax.contrib.muon``), with float32 moments for
+  16-bit leaves. QK-clip, when given, runs after the partition and adds no
+  state; cautious weight decay replaces both decay stages.
   Routing (see ``Routing``, ``route`` and ``summarize``): ``routing.labels`` if
-    given,
-  else ``muon_weight_dimension_numbers`` if given (``None`` entries → AdamW, as
-  in ``optax.contrib.muon``), else 2-D leaves whose path does not match
-  ``routing.adam_pattern`` (embeddings and output heads go to AdamW).
+  given, else ``muon_weight_dimension_numbers`` if given (``None`` entries →
+  AdamW, as in ``optax.contrib.muon``), else 2-D leaves whose path does not
+  match ``routing.adam_pattern`` (embeddings and output heads go to AdamW).
 
   Args:
     learning_rate: Muon's learning rate η, a scalar or an ``optax.Schedule``.
@@ -86,10 +98,9 @@ def muon(
       ``scale_by_muon``).
     beta: Muon's momentum decay, in [0, 1).
     eps: the NS normalization epsilon (``None``: the preset's) and AdamW's
-      epsilon
-      (``None``: 1e-8), as ``optax.contrib.muon``'s ``eps`` (an
-        ``NSCoefficients``
-      passed as ``ns_coeffs`` carries an NS epsilon of its own).
+      epsilon (``None``: 1e-8), as ``optax.contrib.muon``'s ``eps`` (an
+      ``NSCoefficients`` passed as ``ns_coeffs`` carries an NS epsilon of its
+      own).
     weight_decay: λ for Muon leaves (multiplied by the learning rate, as in
       AdamW).
     weight_decay_mask: tree, prefix tree or callable of bools selecting decayed
@@ -118,10 +129,8 @@ def muon(
     adam_weight_decay_mask: tree, prefix tree or callable of bools selecting
       decayed AdamW leaves.
     cautious_weight_decay: apply both weight decays only where the parameter and
-      the
-      update (before the learning rate) agree in sign: W ← W − η·λ·W·[W ⊙ U ≥ 0]
-        − η·U
-      (see ``add_cautious_decayed_weights``).
+      the update (before the learning rate) agree in sign: W ← W − η·λ·W·[W ⊙ U
+      ≥ 0] − η·U (see ``add_cautious_decayed_weights``).
     qk_clip: ``QKClip(threshold, heads, alpha)`` for QK-clip (MuonClip), applied
       last, to the new parameters; ``update`` then takes ``attn_logit_max=``.
 
@@ -144,6 +153,9 @@ def muon(
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params)
+    >>> muon_state = state.inner_states["muon"].inner_state
+    >>> len(muon_state), muon_state[0]._fields, muon_state[0].ns_coeffs.shape
+    (4, ('count', 'mu', 'ns_coeffs'), (3,))
 
   References:
     Jordan et al., `Muon: An optimizer for hidden layers in neural networks
@@ -158,8 +170,16 @@ def muon(
     Chen et al., `Cautious Weight Decay <https://arxiv.org/abs/2510.12402>`_,
     2025.
   """
-  coefficients = resolve_muon_arguments(
-      ns_coeffs, ns_steps, beta, eps, momentum, preconditioning
+  hyper = muon_hyperparams(
+      ns_coeffs,
+      ns_steps,
+      beta,
+      eps,
+      mu_dtype,
+      nesterov=nesterov,
+      adaptive=adaptive,
+      preconditioning=preconditioning,
+      momentum=momentum,
   )
   check_alias_arguments(
       learning_rate=learning_rate,
@@ -172,7 +192,7 @@ def muon(
       consistent_rms=consistent_rms,
   )
   options = MuonOptions(
-      ns_steps=coefficients.steps,
+      ns_steps=hyper.coefficients.steps,
       ns=check_option("ns_options", ns_options, NSOptions, NSOptions()),
       weight_dimension_numbers=tree_utils.freeze_prefix(
           muon_weight_dimension_numbers,
@@ -190,27 +210,20 @@ def muon(
       cautious_weight_decay=cautious_weight_decay,
       qk_clip=check_option("qk_clip", qk_clip, QKClip),
   )
-  direction = muon_direction(
-      options,
-      MuonHyperparams(
-          coefficients=coefficients,
-          preconditioning=preconditioning,
-          beta=beta,
-          momentum=momentum,
-          nesterov=nesterov,
-          mu_dtype=mu_dtype,
-          adaptive=adaptive,
-      ),
-  )
+  # optax.contrib.muon's partition, stage for stage (and so its state): the
+  # stages take the options whole, so that they see the routing's dimension
+  # numbers and the params' shardings.
   return matrices_and_adam(
-      direction,
-      options,
-      learning_rate=learning_rate,
-      consistent_rms=consistent_rms,
-      weight_decay=weight_decay,
-      weight_decay_mask=weight_decay_mask,
-      adam=AdamBranch(
-          learning_rate=adam_learning_rate,
+      optax.chain(
+          muon_direction(options, hyper),  # scale_by_muon
+          shape_scaling(branch_options(options), consistent_rms, scale),
+          decayed_weights(
+              weight_decay, weight_decay_mask, cautious=cautious_weight_decay
+          ),
+          optax.scale_by_learning_rate(learning_rate),
+      ),
+      adamw(
+          learning_rate if adam_learning_rate is None else adam_learning_rate,
           b1=adam_b1,
           b2=adam_b2,
           eps=eps,
@@ -219,6 +232,8 @@ def muon(
           weight_decay_mask=adam_weight_decay_mask,
           mu_dtype=mu_dtype,
           nesterov=nesterov,
+          cautious=cautious_weight_decay,
       ),
-      keep=MuonState,
+      options,
+      keep=(MuonState, NorMuonState),
   )

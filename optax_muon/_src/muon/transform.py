@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_muon._src.core.dtypes import moment_dtype
@@ -43,25 +44,43 @@ from optax_muon._src.muon.spec import muon_tree_spec
 
 
 class MuonState(NamedTuple):
-  """State of ``scale_by_muon``."""
+  """State of ``scale_by_muon``: ``optax.contrib.MuonState``'s fields, shapes
+  and dtypes, so that a checkpoint of either restores into the other."""
 
   count: jax.Array  # shape=(), dtype=int32; steps taken.
   # The momentum: the params' tree and shapes; dtype mu_dtype if given, else the
   # params' (float32 for 16-bit params).
   mu: optax.Updates
-  # NorMuon's per-neuron second moments: the params' tree, each leaf's shape
-  # with its input axes 1, float32 (float64 for float64 leaves); None without
-  # NorMuon.
-  nu: optax.Updates | None = None
+  # The NS coefficients as given: shape=(3,) for an (a, b, c) triple or a
+  # one-triple preset ("jordan", "standard"), else shape=(steps, 3), the rows
+  # run; the default float dtype. Kept as optax.contrib keeps it; NS runs with
+  # the schedule fixed when the transformation is built.
+  ns_coeffs: jax.Array
+
+
+class NorMuonState(NamedTuple):
+  """State of ``scale_by_muon`` with ``normalization=NorMuon()``:
+  ``MuonState``'s fields, then NorMuon's second moments."""
+
+  count: jax.Array  # shape=(), dtype=int32; steps taken.
+  mu: optax.Updates  # as ``MuonState.mu``.
+  ns_coeffs: jax.Array  # as ``MuonState.ns_coeffs``.
+  # Per-neuron second moments: the params' tree, each leaf's shape with its
+  # input axes 1, float32 (float64 for float64 leaves).
+  nu: optax.Updates
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class MuonHyperparams:
-  """The values of Muon's direction that may change between runs or be traced
-  (``optax.inject_hyperparams``); ``MuonOptions`` holds the static rest.
+  """The values of Muon's direction that the spec does not read (``MuonOptions``
+  holds those). Only ``beta`` may be an array (``optax.inject_hyperparams``
+  passes its hyperparameters as arrays); the rest are Python values, fixed when
+  the transformation is built.
 
   Attributes:
     coefficients: the resolved NS schedule.
+    stored_coefficients: what the state's ``ns_coeffs`` holds (see
+      ``MuonState``), as nested tuples of floats.
     preconditioning: the scaling before the first NS step.
     beta: the momentum decay.
     momentum: ``"ema"``, ``"ema_uncorrected"`` or ``"sum"``.
@@ -71,6 +90,7 @@ class MuonHyperparams:
   """
 
   coefficients: NSCoefficients
+  stored_coefficients: tuple
   preconditioning: str = "frobenius"
   beta: Any = 0.95
   momentum: str = "ema"
@@ -116,22 +136,29 @@ def muon_direction(
         zeros(x.shape, moment_dtype(x.dtype, hyper.mu_dtype), where, x)
         for x, where in zip(leaves, placements)
     ]
-    nu = None
-    if options.normalization is not None:
-      nu = spec.put(
-          params,
-          [
-              init_moment(
-                  x.shape,
-                  leaf.layout.reduction_axes,
-                  moment_dtype(jnp.finfo(x.dtype).dtype),
-                  where,
-                  x,
-              )
-              for x, leaf, where in zip(leaves, muon, placements)
-          ],
-      )
-    return MuonState(jnp.zeros([], jnp.int32), spec.put(params, mu), nu)
+    count = jnp.zeros([], jnp.int32)
+    mu = spec.put(params, mu)
+    ns_coeffs = jnp.asarray(hyper.stored_coefficients)
+    if options.normalization is None:
+      return MuonState(count, mu, ns_coeffs)
+    return NorMuonState(
+        count,
+        mu,
+        ns_coeffs,
+        spec.put(
+            params,
+            [
+                init_moment(
+                    x.shape,
+                    leaf.layout.reduction_axes,
+                    moment_dtype(jnp.finfo(x.dtype).dtype),
+                    where,
+                    x,
+                )
+                for x, leaf, where in zip(leaves, muon, placements)
+            ],
+        ),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -154,16 +181,17 @@ def muon_direction(
     o = orthogonalize(
         n, spec, functools.partial(ns, compute_dtype=spec.ns.compute_dtype)
     )
+    state = state._replace(count=count, mu=spec.put(state.mu, mu))
     # 3. Normalize (NorMuon): per output neuron.
-    nu = state.nu
     if options.normalization is not None:
       pairs = [
           normalize_neurons(
               x, v, options.normalization.beta, leaf.layout, leaf.sharding
           )
-          for x, v, leaf in zip(o, spec.take(nu), muon)
+          for x, v, leaf in zip(o, spec.take(state.nu), muon)
       ]
-      o, nu = [x for x, _ in pairs], spec.put(nu, [v for _, v in pairs])
+      o = [x for x, _ in pairs]
+      state = state._replace(nu=spec.put(state.nu, [v for _, v in pairs]))
     # 4. Scale by ⟨n, O⟩ with ``adaptive`` (the shape factor is
     # ``scale_by_shape``'s).
     if hyper.adaptive:
@@ -172,21 +200,25 @@ def muon_direction(
           for x, y, leaf in zip(o, n, muon)
       ]
     out = [x.astype(g.dtype) for x, g in zip(o, grads)]
-    return spec.put(updates, out), MuonState(count, spec.put(state.mu, mu), nu)
+    return spec.put(updates, out), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def resolve_muon_arguments(
+def muon_hyperparams(
     ns_coeffs: CoefficientsLike,
     ns_steps: int | None,
     beta: Any,
     eps: Any,
-    momentum: str,
+    mu_dtype: Any,
+    *,
+    nesterov: bool,
+    adaptive: bool,
     preconditioning: str,
-) -> NSCoefficients:
-  """Checks the arguments ``scale_by_muon`` and ``muon`` share; returns the NS
-  schedule.
+    momentum: str,
+) -> MuonHyperparams:
+  """Checks the arguments ``scale_by_muon`` and ``muon`` share; returns them
+  resolved (the NS schedule, and what the state stores of it).
 
   Raises:
     ValueError: naming the argument.
@@ -210,7 +242,37 @@ def resolve_muon_arguments(
         f"preconditioning must be one of {PRECONDITIONINGS}, got "
         f"{preconditioning!r}."
     )
-  return resolve_coefficients(ns_coeffs, ns_steps, eps)
+  coefficients = resolve_coefficients(ns_coeffs, ns_steps, eps)
+  return MuonHyperparams(
+      coefficients=coefficients,
+      stored_coefficients=(
+          coefficients.rows[0]
+          if _is_one_triple(ns_coeffs)
+          else coefficients.rows
+      ),
+      preconditioning=preconditioning,
+      beta=beta,
+      momentum=momentum,
+      nesterov=nesterov,
+      mu_dtype=mu_dtype,
+      adaptive=adaptive,
+  )
+
+
+def _is_one_triple(ns_coeffs: CoefficientsLike) -> bool:
+  """Whether ``ns_coeffs`` names one (a, b, c) triple (repeated every step):
+  a triple, or a preset whose table is one triple."""
+  if isinstance(ns_coeffs, NSCoefficients):
+    return False
+  if isinstance(ns_coeffs, str):
+    return len(set(resolve_coefficients(ns_coeffs).rows)) == 1
+  if (
+      isinstance(ns_coeffs, tuple)
+      and ns_coeffs
+      and isinstance(ns_coeffs[0], str)
+  ):  # ("polar_express", steps, lower_bound)
+    return False
+  return np.shape(ns_coeffs) == (3,)
 
 
 def scale_by_muon(
@@ -233,17 +295,16 @@ def scale_by_muon(
   """Muon's direction: orthogonalized momentum.
 
   Takes every argument of ``optax.contrib.scale_by_muon``, in its order and with
-  its
-  meaning (no shape factor: chain ``scale_by_shape`` for it, as ``muon`` does);
-    the
-  options after ``weight_dimension_numbers`` are this package's. Every array
-  leaf it receives is orthogonalized (use ``muon`` or ``optax.partition`` to
-  route other leaves elsewhere). Per leaf, with g the gradient::
+  its meaning (no shape factor: chain ``scale_by_shape`` for it, as ``muon``
+  does); the options after ``weight_dimension_numbers`` are this package's.
+  Every array leaf it receives is orthogonalized (use ``muon`` or
+  ``optax.partition`` to route other leaves elsewhere). Per leaf, with g the
+  gradient::
 
-    m ← β·m + (1−β)·g;  n = (1−β)·g + β·m     (Nesterov; n = m without; see
-    ``momentum``) O = NS(n)                                 (each whole matrix
-    on one device) O ← NorMuon(O)                            (with
-    ``normalization=NorMuon()``) update = O  (· ⟨n, O⟩ with ``adaptive``)
+    m ← β·m + (1−β)·g;  n = (1−β)·g + β·m   (Nesterov; n = m without)
+    O = NS(n)                               (each whole matrix on one device)
+    O ← NorMuon(O)                          (with ``normalization=NorMuon()``)
+    update = O  (· ⟨n, O⟩ with ``adaptive``)
 
   Args:
     ns_coeffs: NS coefficients: a preset name (``"jordan"`` = optax's
@@ -269,7 +330,8 @@ def scale_by_muon(
       ``optax_muon._src.muon.momentum``.
     ns_options: how NS runs (``NSOptions``: compute dtype, method, Gram
       restarts).
-    normalization: ``NorMuon(beta)`` for NorMuon, or None. Adds the state field
+    normalization: ``NorMuon(beta)`` for NorMuon, or None. The state is then
+      a ``NorMuonState``: ``MuonState``'s fields, and NorMuon's second moments
       ``nu``.
     param_shardings: for Auto meshes and ``shard_map`` train steps, the params'
       shardings: a tree or prefix tree of ``NamedSharding`` or ``PartitionSpec``
@@ -285,7 +347,9 @@ def scale_by_muon(
     sharding: how sharded matrices are exchanged (``ShardingOptions``).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a ``MuonState``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a ``MuonState``
+    (``optax.contrib.scale_by_muon``'s fields, shapes and dtypes), or a
+    ``NorMuonState`` with ``normalization``.
 
   Raises:
     ValueError: for unknown or out-of-range options (naming the argument), and
@@ -317,11 +381,19 @@ def scale_by_muon(
       Application
     to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
   """
-  coefficients = resolve_muon_arguments(
-      ns_coeffs, ns_steps, beta, eps, momentum, preconditioning
+  hyper = muon_hyperparams(
+      ns_coeffs,
+      ns_steps,
+      beta,
+      eps,
+      mu_dtype,
+      nesterov=nesterov,
+      adaptive=adaptive,
+      preconditioning=preconditioning,
+      momentum=momentum,
   )
   options = MuonOptions(
-      ns_steps=coefficients.steps,
+      ns_steps=hyper.coefficients.steps,
       ns=check_option("ns_options", ns_options, NSOptions, NSOptions()),
       weight_dimension_numbers=weight_dimension_numbers,
       param_shardings=param_shardings,
@@ -330,16 +402,4 @@ def scale_by_muon(
       ),
       normalization=check_option("normalization", normalization, NorMuon),
   )
-  return muon_direction(
-      options,
-      MuonHyperparams(
-          coefficients=coefficients,
-          preconditioning=preconditioning,
-          beta=beta,
-          momentum=momentum,
-          nesterov=nesterov,
-          mu_dtype=mu_dtype,
-          adaptive=adaptive,
-      ),
-      OncePerTransformation(),
-  )
+  return muon_direction(options, hyper, OncePerTransformation())
