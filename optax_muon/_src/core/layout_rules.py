@@ -178,11 +178,9 @@ def _equinox_conv(shape: tuple[int, ...]) -> str:
 
 
 #: The layouts ``muon``'s default routing knows (``Routing.layouts``): Gemma's
-#: einsum
-#: kernels (the ``gemma`` library), Flax's attention layers
-#: (``nn.MultiHeadDotProductAttention``,
-#: ``nnx.MultiHeadAttention``) and Equinox's layers (``Linear``, ``Conv``,
-#: ``Embedding``).
+#: einsum kernels (the ``gemma`` library), Flax's attention layers
+#: (``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``) and
+#: Equinox's layers (``Linear``, ``Conv``, ``Embedding``).
 KNOWN_LAYOUTS: tuple[LayoutRule, ...] = (
     # Gemma: "BTD,NDH->BTNH" and friends (N heads, K kv heads, D d_model, H
     # head_dim).
@@ -242,14 +240,11 @@ KNOWN_LAYOUTS: tuple[LayoutRule, ...] = (
 )
 
 #: Roles of logical axis names (MaxText's, T5X's, Flax examples'): ``"model"``
-#: the residual
-#: width (d_model), ``"heads"`` attention heads, ``"head_dim"`` a head's
-#: features,
-#: ``"hidden"`` other matrix features (MLP, low-rank projections), ``"batch"``
-#: independent
-#: matrices (stacked layers, experts, fused parts), ``"vocab"`` an embedding's
-#: or output
-#: head's vocabulary (the leaf goes to AdamW).
+#: the residual width (d_model), ``"heads"`` attention heads, ``"head_dim"`` a
+#: head's features, ``"hidden"`` other matrix features (MLP, low-rank
+#: projections), ``"batch"`` independent matrices (stacked layers, experts,
+#: fused parts), ``"vocab"`` an embedding's or output head's vocabulary (the
+#: leaf goes to AdamW).
 LOGICAL_AXIS_ROLES: Mapping[str, str] = {
     **dict.fromkeys(
         (

@@ -25,12 +25,10 @@ REPLICA_POLICIES = ("split", "redundant")
 EXCHANGES = ("combined", "per_shape")
 
 #: Leaves whose path matches this go to AdamW under the default routing:
-#: embeddings and
-#: output heads (any path component containing "embed", or named lm_head, wte,
-#: wpe, head),
-#: and norm scales however they are stacked (a component containing "norm", one
-#: named ln,
-#: ln1, ln_2, ln_f..., or a leaf named scale or ending in _scale, as ln_scale).
+#: embeddings and output heads (any path component containing "embed", or named
+#: lm_head, wte, wpe, head), and norm scales however they are stacked (a
+#: component containing "norm", one named ln, ln1, ln_2, ln_f..., or a leaf
+#: named scale or ending in _scale, as ln_scale).
 DEFAULT_ADAM_PATTERN = (
     r"(?i)embed|norm|(^|/)(lm_head|wte|wpe|head|ln[_\d]*f?)(/|$)"
     r"|(^|[/_])scale$"

@@ -335,15 +335,12 @@ def scale_by_muon(
       ``nu``.
     param_shardings: for Auto meshes and ``shard_map`` train steps, the params'
       shardings: a tree or prefix tree of ``NamedSharding`` or ``PartitionSpec``
-        (resolved against
-      the mesh set with ``jax.set_mesh``), as a pure dict, an ``nnx.State``, the
-      output of ``nnx.get_named_sharding`` or of linen's ``nn.get_sharding`` /
-      ``nn.logical_to_mesh_sharding``. On Explicit meshes the leaves' types
-      carry their shardings and this may stay ``None``. Sharded leaves are
-      orthogonalized by the plan
-      (``optax_muon._src.muon.plan``): each matrix on one device, or on a team
-        of devices where the
-      cost model says it pays.
+      (resolved against the mesh set with ``jax.set_mesh``), as a pure dict, an
+      ``nnx.State``, the output of ``nnx.get_named_sharding`` or of linen's
+      ``nn.get_sharding`` / ``nn.logical_to_mesh_sharding``. On Explicit meshes
+      the leaves' types carry their shardings and this may stay ``None``.
+      Sharded leaves are orthogonalized by the plan: each matrix on one device,
+      or on a team of devices where the cost model says it pays.
     sharding: how sharded matrices are exchanged (``ShardingOptions``).
 
   Returns:
@@ -378,8 +375,8 @@ def scale_by_muon(
     <https://arxiv.org/abs/2409.20325>`_, 2024.
 
     Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their
-      Application
-    to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025.
+    Application to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_,
+    2025.
   """
   hyper = muon_hyperparams(
       ns_coeffs,

@@ -32,10 +32,8 @@ MAX_STAGES = 8
 #: A split must shorten the modelled time by this share of it.
 MIN_GAIN = 0.01
 #: The fewest stages whose modelled time is within this share of the shortest:
-#: each stage
-#: compiles its own NS code (on the 7B-like tree, compile time grows about
-#: linearly with
-#: the stage count), for gains that shrink as 1/S.
+#: each stage compiles its own NS code (on the 7B-like tree, compile time grows
+#: about linearly with the stage count), for gains that shrink as 1/S.
 NEAR_BEST = 0.02
 
 
