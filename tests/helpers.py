@@ -2,6 +2,7 @@
 references."""
 
 import inspect
+import math
 
 import numpy as np
 import optax
@@ -66,6 +67,37 @@ def numpy_newton_schulz(x, table) -> np.ndarray:
   return x.T if transposed else x
 
 
+def normal(key, shape, dtype=None):
+  """``jax.random.normal(key, shape, dtype)``, the same values, from one
+  compiled program per power of two of the size instead of one per shape.
+
+  With threefry's partitionable bits (JAX's default), element i of a draw does
+  not depend on the draw's size: a longer draw, cut and reshaped on the host,
+  holds the same values.
+  """
+  import jax  # noqa: PLC0415  (helpers stay importable without JAX for NumPy-only tests)
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  dtype = jnp.float32 if dtype is None else dtype
+  if not jax.config.jax_threefry_partitionable:
+    return jax.random.normal(key, shape, dtype)
+  size = math.prod(shape)
+  drawn = jax.random.normal(key, (1 << max(size - 1, 0).bit_length(),), dtype)
+  return jnp.asarray(np.asarray(drawn)[:size].reshape(shape))
+
+
+def random_like(params, seed: int):
+  """Standard-normal values shaped like ``params``, a key per leaf from
+  ``seed``: ``trees.random_like``'s values, drawn with ``normal``."""
+  import jax  # noqa: PLC0415
+
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(
+      treedef, [normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )
+
+
 def random_grads(params, step: int, dtype=None):
   """Standard-normal gradients shaped like ``params``, a different draw per
   ``step``."""
@@ -75,8 +107,5 @@ def random_grads(params, step: int, dtype=None):
   keys = jax.random.split(jax.random.PRNGKey(100 + step), len(leaves))
   return jax.tree.unflatten(
       treedef,
-      [
-          jax.random.normal(k, x.shape, dtype or x.dtype)
-          for k, x in zip(keys, leaves)
-      ],
+      [normal(k, x.shape, dtype or x.dtype) for k, x in zip(keys, leaves)],
   )

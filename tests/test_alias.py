@@ -12,7 +12,7 @@ from flax import nnx
 
 import optax_muon as om
 from gpt import GPT, GPTConfig
-from helpers import random_grads, rel_err, requires_contrib_api
+from helpers import normal, random_grads, rel_err, requires_contrib_api
 
 DN = om.MuonDimensionNumbers
 
@@ -20,13 +20,13 @@ DN = om.MuonDimensionNumbers
 def _params():
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   return {
-      "embed": {"embedding": jax.random.normal(ks[0], (64, 16))},
+      "embed": {"embedding": normal(ks[0], (64, 16))},
       "layer": {
-          "kernel": jax.random.normal(ks[1], (16, 32)),
+          "kernel": normal(ks[1], (16, 32)),
           "bias": jnp.zeros(32),
       },
       "norm": {"scale": jnp.ones(32)},
-      "lm_head": {"kernel": jax.random.normal(ks[2], (32, 64))},
+      "lm_head": {"kernel": normal(ks[2], (32, 64))},
   }
 
 
@@ -126,7 +126,7 @@ def test_dimension_numbers_route_like_optax_contrib():
   ):
     assert _labels(tx, params) == {"stack": "muon", "w": "adam", "b": "adam"}
   grads = _grads(params, 0)
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   # The stacked leaf is two orthogonalized 8 × 8 matrices (all σ = lr); w and b
   # get NAdamW.
   np.testing.assert_allclose(
@@ -136,7 +136,7 @@ def test_dimension_numbers_route_like_optax_contrib():
   )
   nadamw = optax.adamw(0.1, nesterov=True, weight_decay=0.0)
   adam_params = {k: params[k] for k in ("w", "b")}
-  expected, _ = nadamw.update(
+  expected, _ = jax.jit(nadamw.update)(
       {k: grads[k] for k in ("w", "b")}, nadamw.init(adam_params), adam_params
   )
   for k in ("w", "b"):
@@ -246,11 +246,14 @@ def test_adam_branch_is_optax_adamw_and_muon_decay_is_decoupled(nesterov):
   adam_keys = ("embed", "norm", "lm_head")
   s, s_adam = tx.init(params), adamw.init(params)
   s_muon = muon_only.init({"w": params["layer"]["kernel"]})
+  update, adamw_update, muon_update = (
+      jax.jit(t.update) for t in (tx, adamw, muon_only)
+  )
   for t in range(3):
     g = _grads(params, t)
-    u, s = tx.update(g, s, params)
-    u_adam, s_adam = adamw.update(g, s_adam, params)
-    u_muon, s_muon = muon_only.update({"w": g["layer"]["kernel"]}, s_muon)
+    u, s = update(g, s, params)
+    u_adam, s_adam = adamw_update(g, s_adam, params)
+    u_muon, s_muon = muon_update({"w": g["layer"]["kernel"]}, s_muon)
     for k in adam_keys:
       for a, b in zip(jax.tree.leaves(u[k]), jax.tree.leaves(u_adam[k])):
         assert rel_err(a, b) < 1e-6
@@ -281,8 +284,9 @@ def test_learning_rate_schedule_is_applied():
   tx = om.muon(schedule, ns_coeffs="polar_express", ns_steps=8)
   state = tx.init(params)
   norms = []
+  update = jax.jit(tx.update)
   for t in range(5):
-    u, state = tx.update(_grads(params, t), state, params)
+    u, state = update(_grads(params, t), state, params)
     norms.append(float(jnp.linalg.norm(u["w"], 2)))  # spectral norm = lr·scale
   np.testing.assert_allclose(norms, [0.1, 0.075, 0.05, 0.025, 0.0], atol=1e-3)
 
@@ -293,7 +297,7 @@ def _mlp(key=jax.random.PRNGKey(0), sizes=(16, 64, 64, 4)):
   keys = jax.random.split(key, len(sizes) - 1)
   return {
       f"dense_{i}": {
-          "kernel": jax.random.normal(k, (a, b)) / np.sqrt(a),
+          "kernel": normal(k, (a, b)) / np.sqrt(a),
           "bias": jnp.zeros(b),
       }
       for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
@@ -306,7 +310,7 @@ def test_defaults_follow_optax_contrib_loss_curve():
   """Default arguments of both on a plain MLP: the same loss curve over 20 steps
   (the
   differences left: the NS ε of the preset and the float32 normalization)."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (256, 16))
+  x = normal(jax.random.PRNGKey(1), (256, 16))
   y = jnp.sin(x[:, :4] * 2.0) + x[:, 4:8] ** 2
 
   def loss(params):
@@ -391,7 +395,9 @@ def test_summarize_and_diagnostics_find_muon_inside_wrappers(kind):
   assert summary.rows == expected.rows and summary.notes == expected.notes
   assert summary.notes[0].startswith("NorMuon (β₂ = 0.9)")
   plain = om.muon(0.05, **options)
-  updates = plain.update(random_grads(params, 0), plain.init(params), params)[0]
+  updates = jax.jit(plain.update)(
+      random_grads(params, 0), plain.init(params), params
+  )[0]
   metrics = om.diagnostics(updates, holder, params)
   assert metrics == om.diagnostics(updates, plain, params)
   assert set(metrics) == {
@@ -456,11 +462,14 @@ def test_cautious_weight_decay_matches_numpy_reference():
   s_adam = adam_dir.init({k: params[k] for k in adam_keys})
   s_muon = muon_dir.init({"w": params["layer"]["kernel"]})
   masks = []
+  update, adam_update, muon_update = (
+      jax.jit(t.update) for t in (tx, adam_dir, muon_dir)
+  )
   for t in range(3):
     g = _grads(params, t)
-    u, s = tx.update(g, s, params)
-    u_adam, s_adam = adam_dir.update({k: g[k] for k in adam_keys}, s_adam)
-    u_muon, s_muon = muon_dir.update({"w": g["layer"]["kernel"]}, s_muon)
+    u, s = update(g, s, params)
+    u_adam, s_adam = adam_update({k: g[k] for k in adam_keys}, s_adam)
+    u_muon, s_muon = muon_update({"w": g["layer"]["kernel"]}, s_muon)
     for k in adam_keys:
       for a, d, w in zip(
           jax.tree.leaves(u[k]),

@@ -14,33 +14,33 @@ masks (trees, prefixes, callables), ``mu_dtype``, NorMuon, cautious weight
 decay, and ``ShardingOptions`` (replica policy, exchange, a cost model under
 which devices team up on a matrix).
 
-For every draw ``optax_muon.muon(0.02, ...)`` inits (also under
-``jax.eval_shape``) and runs
-two jitted steps on one device: the updates have the params' shapes and dtypes
-  and are
-finite, and the state keeps its structure, shapes and dtypes. Then the same draw
-runs on an 8-device mesh ((8,), (2, 4), (4, 2), (2, 2, 2), (8, 1) or (1, 2, 4);
-Explicit axes, or Auto axes with ``param_shardings=`` as NamedShardings or
-PartitionSpecs) with a random valid
-PartitionSpec per leaf: the sharded updates and state equal the single-device
-  ones (see
-``TOLERANCE``), the updates keep the params' shardings, and ``summarize`` routes
-every leaf alike with and without the mesh. Warnings (≥3-D leaves without
-dimension numbers, 1 × n matrices, ...) are expected on such trees and ignored;
-errors fail the test.
+Every draw of ``optax_muon.muon(0.02, ...)`` is traced (``jax.eval_shape``, no
+compile) on one device and on an 8-device mesh ((8,), (2, 4), (4, 2), (2, 2, 2),
+(8, 1) or (1, 2, 4); Explicit axes, or Auto axes with ``param_shardings=`` as
+NamedShardings or PartitionSpecs) with a random valid PartitionSpec per leaf:
+init and a step give updates with the params' shapes and dtypes and a state
+that keeps its structure, shapes and dtypes, the same on the mesh as on one
+device; on Explicit axes, where the types carry the shardings, the updates keep
+the params' shardings and a step the state's. ``summarize`` routes every leaf
+alike with and without the mesh. A share of the draws (``COMPILED``) is also
+compiled and run: init (eagerly, and jitted on the mesh) and two jitted steps
+give finite updates, the sharded updates and state equal the single-device ones
+(see ``TOLERANCE``), and the updates keep the params' shardings on Auto axes
+too. Warnings (≥3-D leaves without dimension numbers, 1 × n matrices, ...) are
+expected on such trees and ignored; errors fail the test.
 
 Draw counts (``derandomize=True``: the same draws on every run, so a failure
-reproduces): the fast test 15 (about 15 s on 2 cores), the slow one 40 more
-  (about 30 s); ``FOUND``
-holds the failures the search found, run first as explicit examples. A deeper
-search draws fresh examples on each run:
+reproduces): the fast test 40, 16 of them compiled (about 11 s on 2 cores), the
+slow ones 110 more, 21 compiled (about 25 s), and 40 of ``dion``, 5 compiled
+(about 5 s); ``FOUND`` holds the failures the search found, run first as
+explicit examples. A deeper search draws fresh examples on each run, all
+compiled:
 
     OPTAX_MUON_HYPOTHESIS_PROFILE=deep python -m pytest tests/test_any_tree.py
 
-(``deep``: 500 + 2000 draws, about 1.5 s each, not derandomized; a failure
-  prints a
-``@reproduce_failure`` blob and is kept in ``.hypothesis/`` so that the next run
-replays it first; add it to ``FOUND`` once reduced.)
+(``deep``: 500 + 2000 + 500 draws, about 1.5 s each, not derandomized; a failure
+prints a ``@reproduce_failure`` blob and is kept in ``.hypothesis/`` so that the
+next run replays it first; add it to ``FOUND`` once reduced.)
 """
 
 from __future__ import annotations
@@ -54,10 +54,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import (
+    HealthCheck,
+    event,
+    example,
+    given,
+    settings,
+    strategies as st,
+)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optax_muon as om
+from optax_muon._src.core.sharding import dim_axes_of
 
 try:
   import equinox as eqx
@@ -151,19 +159,27 @@ TOLERANCE = {
     jnp.dtype(jnp.float16): 32 * 2.0**-11,
 }
 
-PROFILES = {  # name: (fast draws, slow draws, derandomize)
-    "ci": (15, 20, True),
-    "deep": (500, 2000, False),
+PROFILES = {  # name: (fast draws, slow draws, Dion draws, derandomize)
+    "ci": (40, 110, 40, True),
+    "deep": (500, 2000, 500, False),
 }
-#: Slow draws of ``dion`` (its options are Muon's but for NS and the plan).
-DION_DRAWS = {"ci": 4, "deep": 500}
+#: The share of each test's draws compiled and run (fast, slow, Dion); the
+#: others are traced only (see ``check``). Hypothesis favours the first of the
+#: choices, so ``ci``'s derandomized draws compile 16 of 40 (and ``FOUND``), 21
+#: of 110 and 5 of 40: more than were compiled when every draw was (15, 20 and
+#: 4; ``--hypothesis-show-statistics`` counts them).
+COMPILED = {
+    "ci": (0.4, 0.05, 0.05),
+    "deep": (1.0, 1.0, 1.0),
+}
 _PROFILE = os.environ.get("OPTAX_MUON_HYPOTHESIS_PROFILE", "ci")
 if _PROFILE not in PROFILES:
   raise ValueError(
       f"OPTAX_MUON_HYPOTHESIS_PROFILE={_PROFILE!r}; expected one of "
       f"{sorted(PROFILES)}."
   )
-FAST_DRAWS, SLOW_DRAWS, DERANDOMIZE = PROFILES[_PROFILE]
+FAST_DRAWS, SLOW_DRAWS, DION_DRAWS, DERANDOMIZE = PROFILES[_PROFILE]
+FAST_COMPILED, SLOW_COMPILED, DION_COMPILED = COMPILED[_PROFILE]
 
 
 def _settings(draws: int) -> settings:
@@ -199,6 +215,13 @@ def _one_in(draw, n: int) -> bool:
   return draw(st.sampled_from([False] * (n - 1) + [True]))
 
 
+def _share(draw, p: float) -> bool:
+  """True with probability ``p``, in twentieths (shrinks to True: a failure
+  found compiled stays compiled while Hypothesis shrinks it)."""
+  k = round(20 * p)
+  return draw(st.sampled_from([True] * k + [False] * (20 - k)))
+
+
 @st.composite
 def _leaf(draw, rank: int | None = None) -> Leaf:
   if rank is None:
@@ -222,15 +245,21 @@ def _equinox_layer(draw, n: int):
   dtype = draw(st.sampled_from(DTYPES))
   size = lambda: draw(st.sampled_from(SIZES))  # noqa: E731
   key = jax.random.PRNGKey(0)
+  # Built under eval_shape: the layer's shapes and dtypes, without an XLA
+  # compile of its initializers per drawn shape.
+  build = eqx.filter_eval_shape
   kind = draw(
       st.sampled_from(
           ("linear", "conv", "norm") + (("embedding",) if n == 1 else ())
       )
   )
   if kind == "linear":
-    layer = eqx.nn.Linear(size(), size(), use_bias=n == 2, dtype=dtype, key=key)
+    layer = build(
+        eqx.nn.Linear, size(), size(), use_bias=n == 2, dtype=dtype, key=key
+    )
   elif kind == "conv":
-    layer = eqx.nn.Conv2d(
+    layer = build(
+        eqx.nn.Conv2d,
         size(),
         size(),
         draw(st.sampled_from((1, 2, 3))),
@@ -239,12 +268,11 @@ def _equinox_layer(draw, n: int):
         key=key,
     )
   elif kind == "embedding":
-    layer = eqx.nn.Embedding(size(), size(), dtype=dtype, key=key)
+    layer = build(eqx.nn.Embedding, size(), size(), dtype=dtype, key=key)
   else:
-    layer = eqx.nn.LayerNorm(size(), use_bias=n == 2, dtype=dtype)
-  return jax.tree.map(
-      lambda x: Leaf(x.shape, x.dtype, 0), eqx.filter(layer, eqx.is_array)
-  )
+    layer = build(eqx.nn.LayerNorm, size(), use_bias=n == 2, dtype=dtype)
+  arrays = eqx.filter(layer, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  return jax.tree.map(lambda x: Leaf(x.shape, x.dtype, 0), arrays)
 
 
 @st.composite
@@ -435,6 +463,7 @@ class Draw:
   )
   routing: str  # "default", "per_head" (heads as batch axes) or "optax" (every 2-D leaf).
   options: tuple  # Other keywords of muon: weight decays and masks, mu_dtype, NorMuon, ...
+  compiled: bool  # Also compiled and run (else checked by tracing only).
 
 
 @st.composite
@@ -474,7 +503,8 @@ def _decay(draw, tree, prefix: str) -> tuple:
 
 
 @st.composite
-def draws(draw) -> Draw:
+def draws(draw, compiled: float = 1.0) -> Draw:
+  """A draw; ``compiled``: the share of draws that are compiled and run."""
   tree = draw(_tree())
   dims = (
       draw(_dims_tree(tree)) if draw(st.sampled_from([False, True])) else None
@@ -520,6 +550,7 @@ def draws(draw) -> Draw:
       _one_in(draw, 4),
       draw(st.sampled_from(("default", "default", "per_head", "optax"))),
       options,
+      _share(draw, compiled),
   )
 
 
@@ -606,12 +637,37 @@ def _run(tx, params, grads, put=None):
   return out, state
 
 
-def _assert_steps_well_formed(tree, updates, states):
+def _abstract_steps(tx, params, grads):
+  """init and one step per gradient under ``jax.eval_shape`` (traced, never
+  compiled): the updates and states of the steps, as ShapeDtypeStructs."""
+  state = [jax.eval_shape(tx.init, params)]
+  out = []
+  for g in grads:
+    updates, s = jax.eval_shape(tx.update, g, state[-1], params)
+    out.append(updates)
+    state.append(s)
+  return out, state
+
+
+def _specs(tree):
+  """Each leaf's PartitionSpec as axes per dim; a leaf without a sharding (a
+  constant traced outside the mesh, which jit places replicated) has none."""
+  return jax.tree.map(
+      lambda x: ((),) * x.ndim
+      if x.sharding is None
+      else dim_axes_of(x.sharding.spec, x.ndim),
+      tree,
+  )
+
+
+def _assert_steps_well_formed(tree, updates, states, finite=True):
   want = _typeof(
       jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
   )
   for u in updates:
     assert _typeof(u) == want
+    if not finite:  # traced only: no values
+      continue
     for path, x in jax.tree_util.tree_leaves_with_path(u):
       assert np.all(
           np.isfinite(np.asarray(x, np.float32))
@@ -667,16 +723,11 @@ def _assert_close(got, want, what: str, dtype_of=lambda path, own: own):
 
 def check(d: Draw, dion_fraction=None):
   """The draw's invariants for ``muon`` (``dion`` at ``dion_fraction``, if
-  given)."""
+  given): traced on every draw (1.), compiled and run where ``d.compiled``
+  (2.–4.), summarized on every draw (5.)."""
   params = _values(d.tree, 0)
   grads = [_values(d.tree, 1), _values(d.tree, 2)]
-
-  # 1. One device, no mesh.
   tx = _tx(d, dion_fraction=dion_fraction)
-  updates, states = _run(tx, params, grads)
-  _assert_steps_well_formed(d.tree, updates, states)
-
-  # 2. The same draw on an 8-device mesh.
   axis_type = AxisType.Explicit if d.explicit else AxisType.Auto
   mesh = jax.make_mesh(
       d.mesh_shape, d.mesh_names, axis_types=(axis_type,) * len(d.mesh_shape)
@@ -691,6 +742,68 @@ def check(d: Draw, dion_fraction=None):
     given_shardings = d.specs if d.shardings_as_specs else shardings
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)  # noqa: E731
   sharded_tx = _tx(d, given_shardings, dion_fraction)
+
+  # 1. Traced, on one device and on the mesh: updates shaped like the params,
+  # states that keep their structure, shapes and dtypes, the same on the mesh as
+  # on one device; on Explicit axes the types carry the shardings: the updates
+  # keep the params', a step keeps the state's.
+  structs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  updates, states = _abstract_steps(tx, structs, [structs])
+  _assert_steps_well_formed(d.tree, updates, states, finite=False)
+  sharded = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      params,
+      shardings,
+  )
+  with jax.set_mesh(mesh):
+    sharded_updates, sharded_states = _abstract_steps(
+        sharded_tx, sharded, [sharded]
+    )
+  _assert_steps_well_formed(
+      d.tree, sharded_updates, sharded_states, finite=False
+  )
+  assert jax.tree.structure(sharded_states[-1]) == jax.tree.structure(
+      states[-1]
+  )
+  assert _typeof(sharded_states[-1]) == _typeof(states[-1])
+  if d.explicit:
+    specs = [_specs(s) for s in sharded_states]
+    assert specs[1:] == specs[:-1], specs
+    assert _specs(sharded_updates[-1]) == _specs(sharded), (
+        sharded_updates[-1],
+        d.specs,
+    )
+  event("compiled and run" if d.compiled else "traced")
+  if d.compiled:
+    _check_compiled(d, tx, sharded_tx, mesh, shardings, params, grads)
+
+  # 5. summarize: a row per array leaf, the same routing and matrices with and
+  # without mesh.
+  with jax.set_mesh(mesh):
+    sharded_summary = om.summarize(put(params), sharded_tx)
+    str(sharded_summary)
+  summary = om.summarize(params, tx)
+  str(summary)
+  routing = lambda summary: [
+      (r.path, r.optimizer, r.ns_matrix, r.batch, r.scale)  # noqa: E731
+      for r in summary.rows
+  ]
+  assert len(summary.rows) == len(jax.tree.leaves(d.tree))
+  assert routing(sharded_summary) == routing(summary)
+
+
+def _check_compiled(d: Draw, tx, sharded_tx, mesh, shardings, params, grads):
+  """Init and two jitted steps, on one device and on the mesh: finite,
+  well-formed, the same (``TOLERANCE``), the updates on the params'
+  shardings."""
+  # 2. One device, no mesh.
+  updates, states = _run(tx, params, grads)
+  _assert_steps_well_formed(d.tree, updates, states)
+
+  # 3. The same draw on an 8-device mesh.
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)  # noqa: E731
   with jax.set_mesh(mesh):
     sharded_updates, sharded_states = _run(sharded_tx, params, grads, put)
   _assert_steps_well_formed(d.tree, sharded_updates, sharded_states)
@@ -704,7 +817,7 @@ def check(d: Draw, dion_fraction=None):
   _assert_close(
       sharded_states[-1], states[-1], "state", _tolerance_dtypes(d.tree)
   )
-  # 3. The updates keep the params' shardings.
+  # 4. The updates keep the params' shardings.
   for (path, u), s in zip(
       jax.tree_util.tree_leaves_with_path(sharded_updates[-1]),
       jax.tree.leaves(shardings),
@@ -716,20 +829,6 @@ def check(d: Draw, dion_fraction=None):
         u.sharding,
         s,
     )
-
-  # 4. summarize: a row per array leaf, the same routing and matrices with and
-  # without mesh.
-  with jax.set_mesh(mesh):
-    sharded_summary = om.summarize(put(params), sharded_tx)
-    str(sharded_summary)
-  summary = om.summarize(params, tx)
-  str(summary)
-  routing = lambda summary: [
-      (r.path, r.optimizer, r.ns_matrix, r.batch, r.scale)  # noqa: E731
-      for r in summary.rows
-  ]
-  assert len(summary.rows) == len(jax.tree.leaves(d.tree))
-  assert routing(sharded_summary) == routing(summary)
 
 
 # Failures the search found, kept as explicit examples: they run first, in every
@@ -748,6 +847,7 @@ FOUND = (
         explicit_passes_shardings=False,
         routing="default",
         options=(),
+        compiled=True,
     ),
 )
 
@@ -762,7 +862,7 @@ def _found(test):
     "ignore::UserWarning"
 )  # ≥3-D leaves without dimension numbers
 @_settings(FAST_DRAWS)
-@given(d=draws())
+@given(d=draws(FAST_COMPILED))
 @_found
 def test_any_tree(d):
   check(d)
@@ -771,19 +871,19 @@ def test_any_tree(d):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @_settings(SLOW_DRAWS)
-@given(d=draws())
+@given(d=draws(SLOW_COMPILED))
 def test_any_tree_more_draws(d):
   check(d)
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@_settings(DION_DRAWS[_PROFILE])
-@given(d=draws(), fraction=st.sampled_from((0.25, 0.5)))
+@_settings(DION_DRAWS)
+@given(d=draws(DION_COMPILED), fraction=st.sampled_from((0.25, 0.5)))
 def test_any_tree_dion(d, fraction):
-  """``dion`` on any tree: finite, well-formed steps; sharded (Explicit, Auto,
-  any of the meshes) equal to one device; summarize's routing the same with and
-  without the mesh.
+  """``dion`` on any tree: well-formed steps, traced on one device and on the
+  mesh (Explicit, Auto, any of the meshes); where compiled, finite and sharded
+  equal to one device; summarize's routing the same with and without the mesh.
   """
   check(d, fraction)
 

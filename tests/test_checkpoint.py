@@ -9,7 +9,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optax_muon as om
-from trees import gpt_tree, random_like
+from helpers import random_like
+from trees import gpt_tree
 
 pytestmark = (
     pytest.mark.slow

@@ -14,10 +14,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import hlo_cost
 import optax_muon as om
 from optax_muon._src.core.scaling import scale_factor
-from helpers import matrix_with_spectrum, rel_err, singular_values
+from helpers import (
+    matrix_with_spectrum,
+    normal,
+    random_like,
+    rel_err,
+    singular_values,
+)
 from optax_muon._src.dion.step import rank_of
 from optax_muon._src.core.matrices import make_layout
-from trees import gpt_tree, muon_dims, random_like
+from trees import gpt_tree, muon_dims
 
 DN = om.MuonDimensionNumbers
 MATRICES = ("q", "k", "v", "o", "mlp_in", "mlp_out")
@@ -302,9 +308,9 @@ CASES = {
 }
 
 
-def _sharded_run(case, axis_type, fraction, steps=2):
+def _sharded_run(case, axis_type, fraction, steps=2, reference=True):
   """(updates, state, compiled update, sharded params, shardings) for ``case``,
-  and the single-device updates."""
+  and the single-device updates (None unless ``reference``)."""
   shape, names, layers, specs_fn = CASES[case]
   stacked = layers is True
   params = gpt_tree(D, 8 if stacked else layers, stacked=stacked)
@@ -316,11 +322,16 @@ def _sharded_run(case, axis_type, fraction, steps=2):
     }
   dims = muon_dims(params, adam=("embed", "lm_head")) if stacked else None
   grads = [random_like(params, 10 + t) for t in range(steps)]
-  reference, _ = _run(
-      om.dion(0.1, rank_fraction=fraction, muon_weight_dimension_numbers=dims),
-      params,
-      grads,
-  )
+  if reference:
+    reference, _ = _run(
+        om.dion(
+            0.1, rank_fraction=fraction, muon_weight_dimension_numbers=dims
+        ),
+        params,
+        grads,
+    )
+  else:
+    reference = None
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
@@ -427,7 +438,7 @@ def test_compiled_collectives_are_small(case, fraction):
   (``test_summary_models_the_compiled_collectives`` and
   ``test_sharded_equals_single_device`` check the other layouts and ranks.)"""
   _, _, compiled, params, _, _ = _sharded_run(
-      case, AxisType.Explicit, fraction, steps=1
+      case, AxisType.Explicit, fraction, steps=1, reference=False
   )
   _check_collectives(compiled, params, fraction)
 
@@ -510,7 +521,7 @@ def test_summary_models_the_compiled_collectives(case, fraction, tolerance):
   as ``test_compiled_collectives_are_small`` checks them.
   """
   _, _, compiled, params, _, _ = _sharded_run(
-      case, AxisType.Explicit, fraction, steps=1
+      case, AxisType.Explicit, fraction, steps=1, reference=False
   )
   summary = om.summarize(
       params,
@@ -558,9 +569,7 @@ def test_bfloat16_products():
   operands (seen in the jaxpr) and the update stays within bfloat16 rounding of
   the float32 one; other dtypes are refused."""
   params = {"w": jnp.zeros((32, 64))}
-  grads = [
-      {"w": jax.random.normal(jax.random.key(t), (32, 64))} for t in range(3)
-  ]
+  grads = [{"w": normal(jax.random.key(t), (32, 64))} for t in range(3)]
   full, _ = _run(om.scale_by_dion(0.5), params, grads)
   tx = om.scale_by_dion(0.5, product_dtype="bfloat16")
   low, _ = _run(tx, params, grads)

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import nnx_auto_mesh
 import optax_muon as om
-from helpers import rel_err
+from helpers import normal, rel_err
 
 pytestmark = (
     pytest.mark.slow
@@ -69,7 +69,7 @@ def _grads_like(params, seed=3):
   return jax.tree.unflatten(
       treedef,
       [
-          jax.device_put(jax.random.normal(k, x.shape), x.sharding)
+          jax.device_put(normal(k, x.shape), x.sharding)
           for k, x in zip(keys, leaves)
       ],
   )

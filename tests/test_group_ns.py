@@ -13,7 +13,7 @@ import optax_muon as om
 from optax_muon._src.muon import costs
 from optax_muon._src.muon.coefficients import resolve_coefficients
 from optax_muon._src.muon.costs import ns_flops
-from helpers import rel_err
+from helpers import normal, rel_err
 from optax_muon._src.muon.newton_schulz import MeshTeam, orthogonalize_block
 
 M, N = 24, 96
@@ -57,7 +57,7 @@ def _team_cases():
 
 @pytest.mark.parametrize("k, method, preconditioning", list(_team_cases()))
 def test_team_equals_one_device(k, method, preconditioning):
-  x = jax.random.normal(jax.random.PRNGKey(k), (8 // k, M, N))
+  x = normal(jax.random.PRNGKey(k), (8 // k, M, N))
   table = resolve_coefficients("polar_express", 6)
   kw = dict(method=method, preconditioning=preconditioning)
   whole = om.newton_schulz(x, table, **kw)
@@ -70,7 +70,7 @@ def test_team_flops_and_collectives_are_the_model():
   the loop one all-reduce of the Gram matrix (reduce-scatter + all-gather) and
   one all-gather of the polynomial's rows per step."""
   k, steps = 4, 5
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, M, N))
+  x = normal(jax.random.PRNGKey(0), (2, M, N))
   table = resolve_coefficients("jordan", steps)
   _, compiled = _team_run(x, table, k, method="standard")
   cost = hlo_cost.analyze(compiled, 8)
@@ -90,7 +90,7 @@ def test_team_gram_splits_every_product(k, steps, restart):
   """The Gram iteration in a team: each member's FLOPs are ``ns_flops(...,
   team=k)``, about 1/k of one device's (every m × m product split by rows, not
   only G and Q·X₀), and its collectives are ``team_collectives``'s."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (8 // k, M, N))
+  x = normal(jax.random.PRNGKey(1), (8 // k, M, N))
   table = resolve_coefficients("jordan", steps)
   kw = dict(method="gram", gram_restart=restart)
   got, compiled = _team_run(x, table, k, **kw)
@@ -110,9 +110,7 @@ def test_team_gram_splits_every_product(k, steps, restart):
 
 def test_team_complex():
   key1, key2 = jax.random.split(jax.random.PRNGKey(3))
-  x = jax.random.normal(key1, (2, M, N)) + 1j * jax.random.normal(
-      key2, (2, M, N)
-  )
+  x = normal(key1, (2, M, N)) + 1j * normal(key2, (2, M, N))
   x = x.astype(jnp.complex64)
   table = resolve_coefficients("polar_express", 8)
   split, _ = _team_run(x, table, 4)
@@ -123,7 +121,7 @@ def test_team_complex():
 def test_team_bf16_products_err_like_one_device():
   """bf16 products round differently split and whole; both stay as close to the
   float32 result as bf16 allows."""
-  x = jax.random.normal(jax.random.PRNGKey(4), (2, M, N))
+  x = normal(jax.random.PRNGKey(4), (2, M, N))
   table = resolve_coefficients("polar_express", 8)
   exact = om.newton_schulz(x, table)
   whole = om.newton_schulz(x, table, compute_dtype=jnp.bfloat16)

@@ -20,10 +20,20 @@ import optax_muon as om
 from optax_muon._src.core.profiles import PROFILES, default_cost_model
 import planner
 import sharding
-import test_sharded as base
-from helpers import rel_err
+from helpers import normal, random_like, rel_err
 from optax_muon._src.muon.plan import build_plan
 from hlo_cost import compiled_device_flops
+from sharded_cases import (
+    CASES,
+    STANDARD,
+    case_grads,
+    case_tree,
+    compare,
+    fsdp_specs,
+    mesh as make_mesh,
+    ns_cost,
+    single_device,
+)
 from trees import moe_tree, stacked_dims
 
 FREE = om.CostModel(1e12, math.inf, 0.0)  # communication costs nothing
@@ -36,7 +46,7 @@ def _muon(model, dims=None, policy="split", **kw):
   return om.muon(
       0.1,
       muon_weight_dimension_numbers=dims,
-      ns_options=base.STANDARD,
+      ns_options=STANDARD,
       sharding=om.ShardingOptions(replica_policy=policy, cost_model=model),
       **kw,
   )
@@ -99,12 +109,12 @@ GROUP_CASES = ["fsdp8", "fsdp4xtp2", "dp2xfsdp4-split"]
         ),
     ],
 )
-def test_groups_equal_single_device(case, axis_type):
-  shape, names, _, specs_fn, policy = base.CASES[case]
-  params, dims = base._tree(1)
-  grads = [base.random_like(params, 10 + t) for t in range(2)]
-  reference = base._single_device(params, grads, dims)
-  mesh = base._mesh(shape, names, axis_type)
+def test_groups_equal_single_device(case, axis_type, case_reference):
+  shape, names, _, specs_fn, policy = CASES[case]
+  params, dims = case_tree(1)
+  grads = case_grads(params)
+  reference, _ = case_reference(1)
+  mesh = make_mesh(shape, names, axis_type)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   explicit = axis_type == AxisType.Explicit
@@ -119,7 +129,7 @@ def test_groups_equal_single_device(case, axis_type):
       < build_plan(
           [p.layout for p in plan.leaves],
           [p.sharding for p in plan.leaves],
-          base._cost,
+          ns_cost,
           om.ShardingOptions(replica_policy=policy),
       ).critical_ns_flops()
   )
@@ -129,7 +139,7 @@ def test_groups_equal_single_device(case, axis_type):
     _check_compiled_is_the_plan(update, plan)
     for t in range(2):
       updates, state = update(put(grads[t]), state, sharded)
-  base._compare(updates, reference)
+  compare(updates, reference)
   for u, s in zip(jax.tree.leaves(updates), jax.tree.leaves(shardings)):
     assert u.sharding.is_equivalent_to(s, u.ndim)
 
@@ -138,12 +148,12 @@ def test_groups_equal_single_device(case, axis_type):
 def test_groups_in_a_shard_map_train_step():
   """Inside the user's shard_map (which checks replication): the same update as
   pjit."""
-  params, _ = base._tree(3)
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
-  specs = base._fsdp_specs(params)
+  params, _ = case_tree(3)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
+  specs = fsdp_specs(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
-  grads, sharded = put(base.random_like(params, 3)), put(params)
+  grads, sharded = put(random_like(params, 3)), put(params)
   tx = _muon(FREE, param_shardings=specs)
   with jax.set_mesh(mesh):
     assert _rounds(om.summarize(sharded, tx).plan)
@@ -158,22 +168,22 @@ def test_groups_in_a_shard_map_train_step():
         )
     )
     got, _ = step(grads, state, sharded)
-  base._compare(got, expected)
+  compare(got, expected)
 
 
 def test_prohibitive_communication_keeps_the_whole_matrix_plan():
-  params, _ = base._tree(3)
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  params, _ = case_tree(3)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   sharded = jax.tree.map(
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
       params,
-      base._fsdp_specs(params),
+      fsdp_specs(params),
   )
   plan = om.summarize(sharded, _muon(PROHIBITIVE)).plan
   whole = build_plan(
       [p.layout for p in plan.leaves],
       [p.sharding for p in plan.leaves],
-      base._cost,
+      ns_cost,
   )
   assert plan.groups == whole.groups and not _rounds(plan)
   assert (plan.device_received_bytes() == whole.device_received_bytes()).all()
@@ -183,17 +193,15 @@ def test_prohibitive_communication_keeps_the_whole_matrix_plan():
 def test_bf16_groups_err_like_single_device():
   """bf16 leaves (NS products in bf16): split and whole round differently; both
   stay as close to the float32 update as bf16 allows."""
-  params32 = base._tree(1)[0]
-  grads32 = [base.random_like(params32, 5)]
-  exact = base._single_device(params32, grads32, None, steps=1)
+  params32 = case_tree(1)[0]
+  grads32 = [random_like(params32, 5)]
+  exact = single_device(params32, grads32, None, steps=1)
   params, grads = jax.tree.map(
       lambda x: x.astype(jnp.bfloat16), (params32, grads32)
   )
-  whole = base._single_device(params, grads, None, steps=1)
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
-  shardings = jax.tree.map(
-      lambda s: NamedSharding(mesh, s), base._fsdp_specs(params)
-  )
+  whole = single_device(params, grads, None, steps=1)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), fsdp_specs(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   tx = _muon(FREE)
   sharded = put(params)
@@ -210,12 +218,12 @@ def test_bf16_groups_err_like_single_device():
 
 
 def test_summary_shows_team_sizes_and_modelled_time():
-  params, _ = base._tree(3)
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  params, _ = case_tree(3)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   sharded = jax.tree.map(
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
       params,
-      base._fsdp_specs(params),
+      fsdp_specs(params),
   )
   summary = om.summarize(sharded, _muon(FREE))
   rows = [r for r in summary.rows if r.optimizer == "muon"]
@@ -225,7 +233,7 @@ def test_summary_shows_team_sizes_and_modelled_time():
       "standard iteration, every product split" in r.placement for r in split
   )
   for r in rows:  # free communication: a matrix's time is its FLOPs per member
-    flops = base.STANDARD.flops(*r.ns_matrix, jnp.float32, 5, team=r.team)
+    flops = STANDARD.flops(*r.ns_matrix, jnp.float32, 5, team=r.team)
     assert r.ns_seconds == pytest.approx(flops / FREE.flops_per_second)
   assert summary.plan.critical_seconds() == pytest.approx(
       summary.plan.critical_ns_flops() / FREE.flops_per_second
@@ -286,15 +294,15 @@ def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
   update still equals the single-device one, for both NS methods and complex
   leaves.
   """
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   key = jax.random.PRNGKey(0)
   shapes = {"a": (40, 8), "b": (40, 8), "c": (40, 8), "d": (8, 40)}
   params = {
-      name: jax.random.normal(jax.random.fold_in(key, i), s, dtype)
+      name: normal(jax.random.fold_in(key, i), s, dtype)
       for i, (name, s) in enumerate(shapes.items())
   }
   grads = {
-      name: jax.random.normal(jax.random.fold_in(key, 10 + i), x.shape, dtype)
+      name: normal(jax.random.fold_in(key, 10 + i), x.shape, dtype)
       for i, (name, x) in enumerate(params.items())
   }
   specs = {"a": P("fsdp"), "b": P("fsdp"), "c": P("fsdp"), "d": P("fsdp")}
@@ -313,7 +321,7 @@ def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
   assert "a" in split and plan.leaves[split["a"].leaf].local_shape[0] % 2 == 1
   with jax.set_mesh(mesh):
     got, _ = jax.jit(tx.update)(put(grads), jax.jit(tx.init)(sharded), sharded)
-  base._compare(got, expected)
+  compare(got, expected)
 
 
 @pytest.mark.parametrize("method", ["auto", "standard"])
@@ -417,7 +425,7 @@ def test_the_exchange_index_is_per_unit_and_means_the_same_elements(model):
   does — padded team blocks included."""
   from optax_muon._src.muon.executor import buffer_units  # noqa: PLC0415
 
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   shapes = {
       "a": (40, 8),
       "b": (40, 8),
@@ -458,7 +466,7 @@ def test_device_profiles_by_generation_and_dtype():
       PROFILES["tpu_v5p"].for_dtype(jnp.float32).flops_per_second == 459e12 / 6
   )
   assert PROFILES["gpu"].for_dtype(jnp.float32) is PROFILES["gpu"]  # one rate
-  mesh = base._mesh((8,), ("fsdp",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   params = {
       "w": jax.ShapeDtypeStruct(
           (64, 256), jnp.float32, sharding=NamedSharding(mesh, P("fsdp"))

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import optax_muon as om
-from helpers import random_grads, rel_err, requires_contrib_api
+from helpers import normal, random_grads, rel_err, requires_contrib_api
 import real_trees
 from real_trees import load, paths_and_leaves
 
@@ -161,9 +161,7 @@ def _gemma3_block(dtype=jnp.float32):
       "embedder": {"input_embedding": jax.ShapeDtypeStruct((512, 1152), dtype)},
   }
   return jax.tree.map(
-      lambda s: jax.random.normal(
-          jax.random.PRNGKey(s.shape[-1]), s.shape, dtype
-      ),
+      lambda s: normal(jax.random.PRNGKey(s.shape[-1]), s.shape, dtype),
       tree,
   )
 
@@ -259,9 +257,7 @@ def test_flax_nnx_attention_reaches_muon_inside_nnx_optimizer():
       "out/kernel",
   }
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  x = jax.random.normal(
-      jax.random.PRNGKey(1), (4, 8, 16)
-  )  # 32 rows: full-rank gradients
+  x = normal(jax.random.PRNGKey(1), (4, 8, 16))  # 32 rows: full-rank gradients
   before = model.query.kernel[...]
 
   @nnx.jit

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import optax_muon as om
-from helpers import random_grads, rel_err, requires_contrib_api
+from helpers import normal, random_grads, rel_err, requires_contrib_api
 
 # optax.contrib's own type where it has one (optax >= 0.2.6), to show ours
 # accepts it.
@@ -22,11 +22,11 @@ def _params(dtype=jnp.float32):
   ks = jax.random.split(jax.random.PRNGKey(0), 4)
   return {
       "layer": {
-          "kernel": jax.random.normal(ks[0], (16, 32), dtype),
+          "kernel": normal(ks[0], (16, 32), dtype),
           "bias": jnp.zeros(32, dtype),
       },
-      "wide": jax.random.normal(ks[1], (8, 48), dtype),
-      "stack": jax.random.normal(ks[2], (3, 12, 20), dtype),
+      "wide": normal(ks[1], (8, 48), dtype),
+      "stack": normal(ks[2], (3, 12, 20), dtype),
       "norm": jnp.ones(20, dtype),
   }
 
@@ -160,9 +160,7 @@ def test_scale_by_shape(consistent_rms):
 
 def _complex_problem():
   ka, kb = jax.random.split(jax.random.PRNGKey(1))
-  a = (
-      jax.random.normal(ka, (64, 16)) + 1j * jax.random.normal(kb, (64, 16))
-  ).astype(jnp.complex64)
+  a = (normal(ka, (64, 16)) + 1j * normal(kb, (64, 16))).astype(jnp.complex64)
   w_true = (
       jnp.exp(1j * jnp.linspace(0, 3, 16 * 8))
       .reshape(16, 8)
@@ -229,10 +227,9 @@ def test_complex_updates_equal_optax_contrib():
 @pytest.mark.slow
 def test_complex_newton_schulz_matches_svd():
   key = jax.random.PRNGKey(2)
-  x = (
-      jax.random.normal(key, (2, 12, 20))
-      + 1j * jax.random.normal(key, (2, 12, 20))
-  ).astype(jnp.complex64)
+  x = (normal(key, (2, 12, 20)) + 1j * normal(key, (2, 12, 20))).astype(
+      jnp.complex64
+  )
   for method in ("standard", "gram"):
     y = om.newton_schulz(x, "polar_express", ns_steps=8, method=method)
     assert y.dtype == jnp.complex64
@@ -273,7 +270,7 @@ def test_zero_size_matrix_gives_zero_size_update():
   it."""
   params = {
       "empty": jnp.zeros((0, 5)),
-      "w": jax.random.normal(jax.random.PRNGKey(0), (4, 6)),
+      "w": normal(jax.random.PRNGKey(0), (4, 6)),
   }
   alone = {"w": params["w"]}
   for make in (lambda: om.muon(0.1), om.scale_by_muon):
@@ -336,5 +333,5 @@ def test_inject_hyperparams_keeps_the_state_structure():
   # And it runs: the injected learning rate reaches the Muon leaves.
   state = injected.init(params)
   state.hyperparams["learning_rate"] = jnp.asarray(0.0)
-  updates, _ = injected.update(_grads(params, 0), state, params)
+  updates, _ = jax.jit(injected.update)(_grads(params, 0), state, params)
   assert float(jnp.abs(updates["wide"]).max()) == 0.0

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import optax_muon as om
-from helpers import rel_err
+from helpers import normal, rel_err
 import hlo_cost
 
 H = om.QKClipHeads
@@ -21,7 +21,7 @@ D, DH = 16, 4
 
 
 def _normal(seed, shape):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape)
+  return normal(jax.random.PRNGKey(seed), shape)
 
 
 def _reference(new, role, maxima, tau, alpha, heads, kv_heads=None):
@@ -265,7 +265,10 @@ def test_bad_maxima_name_the_leaf(maxima, match):
   params, heads, _ = _gpt_like()
   tx = om.muon(0.05, qk_clip=om.QKClip(10.0, heads))
   with pytest.raises(ValueError, match=match):
-    tx.update(params, tx.init(params), params, attn_logit_max=maxima)
+    # Traced, not run: the error is raised at trace time, before any compile.
+    jax.eval_shape(
+        lambda p: tx.update(p, tx.init(p), p, attn_logit_max=maxima), params
+    )
 
 
 @pytest.mark.parametrize(

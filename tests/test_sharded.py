@@ -15,147 +15,27 @@ import hlo_cost
 import optax_muon as om
 from optax_muon._src.muon.costs import ns_flops
 import sharding
-from helpers import rel_err
+from helpers import random_like, rel_err
 from optax_muon._src.core.matrices import make_layout
 from optax_muon._src.muon.plan import build_plan
 from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
 from hlo_cost import compiled_device_flops
-from trees import gpt_tree, muon_dims, random_like
-
-D, LAYERS = 32, 4
-
-
-def _mesh(shape, names, axis_type):
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
-
-
-def _fsdp_specs(params, axis="fsdp"):
-  """FSDP: every leaf split on its first axis (stacked: on the matrix's first
-  axis)."""
-
-  def spec(x):
-    if x.ndim == 3:
-      return P(None, axis, None)
-    return P(axis) if x.shape[0] % 8 == 0 else P()
-
-  return jax.tree.map(spec, params)
-
-
-def _megatron_specs(params):
-  """FSDP × TP: column-parallel (q, k, v, mlp_in) P(fsdp, tp), row-parallel
-  P(tp, fsdp)."""
-
-  def spec(path, x):
-    name = path[-1].key
-    if x.ndim == 1:
-      return P()
-    if name in ("o", "mlp_out"):
-      return P("tp", "fsdp")
-    return P("fsdp", "tp")
-
-  return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def _layer_axis_specs(params):
-  return jax.tree.map(
-      lambda x: P("fsdp", None, None) if x.ndim == 3 else P(), params
-  )
-
-
-def _replicated_over_dp(params):
-  return jax.tree.map(lambda x: P("fsdp") if x.ndim == 2 else P(), params)
-
-
-CASES = {
-    # name: (mesh shape, axis names, tree, specs fn, replica policy)
-    "fsdp8": ((8,), ("fsdp",), False, _fsdp_specs, "split"),
-    "fsdp8-3-layers": ((8,), ("fsdp",), 3, _fsdp_specs, "split"),
-    "fsdp4xtp2-3-layers": ((4, 2), ("fsdp", "tp"), 3, _megatron_specs, "split"),
-    "fsdp8-stacked-matrix-axis": ((8,), ("fsdp",), True, _fsdp_specs, "split"),
-    "fsdp8-stacked-layer-axis": (
-        (8,),
-        ("fsdp",),
-        True,
-        _layer_axis_specs,
-        "split",
-    ),
-    "fsdp4xtp2": ((4, 2), ("fsdp", "tp"), False, _megatron_specs, "split"),
-    "dp2xfsdp4-split": (
-        (2, 4),
-        ("dp", "fsdp"),
-        False,
-        _replicated_over_dp,
-        "split",
-    ),
-    "dp2xfsdp4-redundant": (
-        (2, 4),
-        ("dp", "fsdp"),
-        False,
-        _replicated_over_dp,
-        "redundant",
-    ),
-    "replicated-dp8": (
-        (8,),
-        ("dp",),
-        False,
-        lambda p: jax.tree.map(lambda _: P(), p),
-        "split",
-    ),
-}
-
-
-def _tree(kind):
-  """kind: False (per-layer, 4 layers), True (stacked, 8 layers) or a layer
-  count."""
-  stacked = kind is True
-  layers = 8 if stacked else (LAYERS if kind is False else kind)
-  params = gpt_tree(D, layers, stacked=stacked)
-  return params, (
-      muon_dims(params, adam=("embed", "lm_head")) if stacked else None
-  )
-
-
-STANDARD = om.NSOptions(method="standard")
-
-
-def _muon(dims=None, policy="split", **kw):
-  """Muon with the standard NS iteration (the per-device FLOPs the tests
-  read)."""
-  return om.muon(
-      0.1,
-      muon_weight_dimension_numbers=dims,
-      ns_options=STANDARD,
-      sharding=om.ShardingOptions(replica_policy=policy),
-      **kw,
-  )
-
-
-def _single_device(params, grads, dims, steps=2, **kw):
-  tx = _muon(dims, **kw)
-  state = tx.init(params)
-  for t in range(steps):
-    updates, state = jax.jit(tx.update)(grads[t], state, params)
-  return updates
-
-
-def _compare(updates, reference):
-  for (path, a), b in zip(
-      jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(reference)
-  ):
-    assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path)
-
-
-def sharded_steps(tx, mesh, params, grads):
-  """(updates, state, compiled update) after one jitted step per gradient on
-  ``mesh``."""
-  with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(params)
-    update = jax.jit(tx.update)
-    for g in grads:
-      updates, state = update(g, state, params)
-    compiled = update.lower(grads[0], state, params).compile()
-  return updates, state, compiled
-
+from sharded_cases import (
+    CASES,
+    STANDARD,
+    VARIANTS,
+    case_grads,
+    case_tree,
+    compare,
+    fsdp_specs,
+    megatron_specs,
+    mesh as make_mesh,
+    ns_cost,
+    sharded_steps,
+    single_device,
+    standard_muon,
+)
+from trees import gpt_tree
 
 # Auto meshes read the shardings from param_shardings instead of the arrays'
 # types; after that the plan is the same, so they run on the cases whose meshes
@@ -173,23 +53,25 @@ AUTO_CASES = (
     [(c, AxisType.Explicit) for c in CASES]
     + [(c, AxisType.Auto) for c in AUTO_CASES],
 )
-def test_sharded_equals_single_device(case, axis_type):
-  shape, names, stacked, specs_fn, policy = CASES[case]
-  params, dims = _tree(stacked)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  reference = _single_device(params, grads, dims)
+def test_sharded_equals_single_device(case, axis_type, case_reference):
+  shape, names, kind, specs_fn, policy = CASES[case]
+  params, dims = case_tree(kind)
+  grads = case_grads(params)
+  reference, _ = case_reference(kind)
 
-  mesh = _mesh(shape, names, axis_type)
+  mesh = make_mesh(shape, names, axis_type)
   specs = specs_fn(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   explicit = axis_type == AxisType.Explicit
-  tx = _muon(dims, policy, param_shardings=None if explicit else shardings)
+  tx = standard_muon(
+      dims, policy, param_shardings=None if explicit else shardings
+  )
   sharded_params = put(params)
   updates, state, compiled = sharded_steps(
       tx, mesh, sharded_params, [put(g) for g in grads]
   )
-  _compare(updates, reference)
+  compare(updates, reference)
 
   # Updates and momentum keep the params' shardings.
   mu = state.inner_states["muon"].inner_state[0].mu
@@ -232,10 +114,8 @@ def test_plan_floors_on_fsdp8_gpt():
   """The benchmark's per-layer GPT on FSDP-8 meets the compiled-HLO floors: NS
   FLOPs, received bytes, temp memory and the collective count."""
   params = gpt_tree(64, 4)
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
-  shardings = jax.tree.map(
-      lambda s: NamedSharding(mesh, s), _fsdp_specs(params)
-  )
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), fsdp_specs(params))
   sharded = jax.tree.map(jax.device_put, params, shardings)
   for wire, byte_floor, exchange in (
       (None, 1.05, "per_shape"),
@@ -266,14 +146,12 @@ def test_plan_floors_on_fsdp8_gpt():
     )
 
 
-def test_bf16_on_the_wire_is_close():
-  params, dims = _tree(False)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  reference = _single_device(params, grads, dims)
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
-  shardings = jax.tree.map(
-      lambda s: NamedSharding(mesh, s), _fsdp_specs(params)
-  )
+def test_bf16_on_the_wire_is_close(case_reference):
+  params, _ = case_tree(False)
+  grads = case_grads(params)
+  reference, _ = case_reference(False)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), fsdp_specs(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   tx = om.muon(
       0.1,
@@ -304,7 +182,7 @@ def test_mixed_explicit_auto_mesh_is_an_error():
 
 
 def test_param_shardings_errors():
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   params = {
       "w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("fsdp")))
   }
@@ -357,22 +235,22 @@ def _shard_map_steps(tx, mesh, specs, shardings, params, grads):
   return updates, state
 
 
-def test_shard_map_train_step_matches_pjit():
+def test_shard_map_train_step_matches_pjit(case_reference):
   """The optimizer inside the user's shard_map: local blocks in, collectives by
   axis name."""
-  params, dims = _tree(False)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  reference = _single_device(params, grads, dims)
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
-  specs = _fsdp_specs(params)
+  params, _ = case_tree(False)
+  grads = case_grads(params)
+  reference, _ = case_reference(False)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
+  specs = fsdp_specs(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  tx = _muon(param_shardings=shardings)
+  tx = standard_muon(param_shardings=shardings)
   updates, state = _shard_map_steps(tx, mesh, specs, shardings, params, grads)
-  _compare(updates, reference)
+  compare(updates, reference)
 
 
 def test_shard_map_without_param_shardings_is_an_error():
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   params = {
       "w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("fsdp")))
   }
@@ -394,13 +272,13 @@ def test_shard_map_without_param_shardings_is_an_error():
 
 def test_summary_reports_the_plan():
   params = gpt_tree(32, 3)
-  mesh = _mesh((8,), ("fsdp",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   sharded = jax.tree.map(
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
       params,
-      _fsdp_specs(params),
+      fsdp_specs(params),
   )
-  summary = om.summarize(sharded, _muon())
+  summary = om.summarize(sharded, standard_muon())
   rows = {r.path: r for r in summary.rows}
   assert "all-to-all over fsdp" in rows["blocks/0/q"].placement
   # 3 layers: 12 square matrices (c = 1 unit) and 6 (d, 4d) ones (3 units) over
@@ -441,14 +319,10 @@ def _layouts_and_shardings(mesh, leaves):
   return layouts, shardings
 
 
-def _cost(m, n, dtype):
-  return STANDARD.flops(m, n, dtype, steps=5)
-
-
 def _plan(mesh_shape, names, leaves, **kw):
   mesh = jax.sharding.AbstractMesh(mesh_shape, names)
   layouts, shardings = _layouts_and_shardings(mesh, leaves)
-  return build_plan(layouts, shardings, _cost, **kw)
+  return build_plan(layouts, shardings, ns_cost, **kw)
 
 
 def _owned_once(plan):
@@ -609,7 +483,7 @@ def test_unsharded_leaves_are_the_trivial_plan():
       ),
       make_layout("b", jax.ShapeDtypeStruct((32, 16), jnp.float32), None),
   ]
-  plan = build_plan(layouts, [None, None], _cost)
+  plan = build_plan(layouts, [None, None], ns_cost)
   assert plan.mesh_shape == () and not plan.sharded
   (group,) = plan.groups
   assert group.workers == 1 and [b.matrices for b in group.buckets] == [4]
@@ -628,7 +502,7 @@ def test_floors_at_scale_trees_on_eight_devices(tree):
   )
   mesh, specs_fn, _ = sharding.mesh_for(name, 8)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
-  tx = _muon(dims, param_shardings=shardings)
+  tx = standard_muon(dims, param_shardings=shardings)
   compiled, _, sharded = sharding.compile_update(tx, params, shardings, mesh)
   cost = hlo_cost.analyze(compiled, 8)
   plan = om.summarize(sharded, tx).plan
@@ -650,21 +524,13 @@ def test_floors_at_scale_trees_on_eight_devices(tree):
   assert cost.collectives_in_loops == 0
   if tree == "MoE":
     grads = [random_like(params, 10 + t) for t in range(2)]
-    reference = _single_device(params, grads, dims)
+    reference = single_device(params, grads, dims)
     put = lambda t: jax.tree.map(jax.device_put, t, shardings)
     with jax.set_mesh(mesh):
       state = jax.jit(tx.init)(sharded)
       for t in range(2):
         updates, state = jax.jit(tx.update)(put(grads[t]), state, sharded)
-    _compare(updates, reference)
-
-
-VARIANTS = dict(
-    normalization=om.NorMuon(),
-    cautious_weight_decay=True,
-    weight_decay=0.1,
-    adam_weight_decay=0.1,
-)
+    compare(updates, reference)
 
 
 def _moment_spec(param_spec, input_axis, ndim):
@@ -688,27 +554,24 @@ def _moment_spec(param_spec, input_axis, ndim):
     ],
 )
 def test_normuon_and_cautious_decay_sharded_equal_single_device(
-    case, axis_type
+    case, axis_type, case_reference
 ):
   """Updates and NorMuon's state equal the single-device ones; the state is
   sharded like the params' output axes; NorMuon adds only small all-reduces (no
   gather)."""
-  shape, names, stacked, specs_fn, policy = CASES[case]
-  params, dims = _tree(stacked)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  tx1 = _muon(dims, **VARIANTS)
-  state1 = tx1.init(params)
-  for t in range(2):
-    reference, state1 = jax.jit(tx1.update)(grads[t], state1, params)
+  shape, names, kind, specs_fn, policy = CASES[case]
+  params, dims = case_tree(kind)
+  grads = case_grads(params)
+  reference, state1 = case_reference(kind, variants=True)
 
-  mesh = _mesh(shape, names, axis_type)
+  mesh = make_mesh(shape, names, axis_type)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   explicit = axis_type == AxisType.Explicit
   sharded_params = put(params)
   compiled = {}
   for name, variants in (("plain", {}), ("variants", VARIANTS)):
-    tx = _muon(
+    tx = standard_muon(
         dims,
         policy,
         param_shardings=None if explicit else shardings,
@@ -722,9 +585,9 @@ def test_normuon_and_cautious_decay_sharded_equal_single_device(
       compiled[name] = hlo_cost.analyze(
           update.lower(put(grads[0]), state, sharded_params).compile(), 8
       )
-  _compare(updates, reference)
+  compare(updates, reference)
   nu, nu1 = (s.inner_states["muon"].inner_state[0].nu for s in (state, state1))
-  _compare(nu, nu1)
+  compare(nu, nu1)
 
   flat_specs = {
       jax.tree_util.keystr(p, simple=True, separator="/"): s
@@ -755,22 +618,21 @@ def test_normuon_and_cautious_decay_sharded_equal_single_device(
 
 
 @pytest.mark.slow
-def test_normuon_and_cautious_decay_in_shard_map_match_single_device():
+def test_normuon_and_cautious_decay_in_shard_map_match_single_device(
+    case_reference,
+):
   """Inside the user's shard_map (FSDP × TP: input and output axes split): psums
   complete NorMuon's sums; equal to the single-device result."""
-  params, dims = _tree(False)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  tx1 = _muon(**VARIANTS)
-  state1 = tx1.init(params)
-  for t in range(2):
-    reference, state1 = jax.jit(tx1.update)(grads[t], state1, params)
-  mesh = _mesh((4, 2), ("fsdp", "tp"), AxisType.Explicit)
-  specs = _megatron_specs(params)
+  params, _ = case_tree(False)
+  grads = case_grads(params)
+  reference, state1 = case_reference(False, variants=True)
+  mesh = make_mesh((4, 2), ("fsdp", "tp"), AxisType.Explicit)
+  specs = megatron_specs(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  tx = _muon(param_shardings=shardings, **VARIANTS)
+  tx = standard_muon(param_shardings=shardings, **VARIANTS)
   updates, state = _shard_map_steps(tx, mesh, specs, shardings, params, grads)
-  _compare(updates, reference)
-  _compare(
+  compare(updates, reference)
+  compare(
       state.inner_states["muon"].inner_state[0].nu,
       state1.inner_states["muon"].inner_state[0].nu,
   )
@@ -781,7 +643,7 @@ def test_normuon_state_sharded_at_init_eager_and_abstract(axis_type):
   """Eager init on sharded arrays, on ShapeDtypeStructs, and eval_shape (for
   checkpoint restore targets) all give NorMuon's state the params' output-axis
   sharding."""
-  mesh = _mesh((4, 2), ("fsdp", "tp"), axis_type)
+  mesh = make_mesh((4, 2), ("fsdp", "tp"), axis_type)
   sharding = NamedSharding(mesh, P("fsdp", "tp"))
   params = {"w": jax.device_put(jnp.ones((16, 8)), sharding)}
   structs = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=sharding)}
@@ -811,10 +673,8 @@ def test_jitted_init_places_the_state_like_the_params(axis_type):
   and leaves the rest alone.
   """
   params = gpt_tree(32, 2)
-  mesh = _mesh((8,), ("fsdp",), axis_type)
-  shardings = jax.tree.map(
-      lambda s: NamedSharding(mesh, s), _fsdp_specs(params)
-  )
+  mesh = make_mesh((8,), ("fsdp",), axis_type)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), fsdp_specs(params))
   sharded = jax.tree.map(jax.device_put, params, shardings)
   tx = om.muon(0.1, param_shardings=shardings, normalization=om.NorMuon())
   with jax.set_mesh(mesh):

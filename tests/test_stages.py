@@ -16,10 +16,18 @@ import aot
 import hlo_cost
 import optax_muon as om
 from optax_muon._src.core.profiles import PROFILES
-import test_sharded as base
 from hlo_cost import compiled_device_flops
 from optax_muon._src.muon import costs
-from trees import random_like
+from sharded_cases import (
+    CASES,
+    STANDARD,
+    case_grads,
+    case_tree,
+    compare,
+    fsdp_specs,
+    sharded_steps,
+)
+from trees import gpt_tree
 
 FREE = om.CostModel(1e12, math.inf, 0.0)
 PROHIBITIVE = om.CostModel(1e12, 1.0, 1.0)
@@ -51,18 +59,20 @@ def test_pipelined_seconds():
         pytest.param("fsdp4xtp2-3-layers", 2, marks=pytest.mark.slow),
     ],
 )
-def test_staged_exchange_equals_single_device(case, stages):
-  shape, names, kind, specs_fn, policy = base.CASES[case]
-  params, dims = base._tree(kind)
-  grads = [random_like(params, 10 + t) for t in range(2)]
-  reference = base._single_device(params, grads, dims)
-  mesh = base._mesh(shape, names, AxisType.Explicit)
+def test_staged_exchange_equals_single_device(case, stages, case_reference):
+  shape, names, kind, specs_fn, policy = CASES[case]
+  params, dims = case_tree(kind)
+  grads = case_grads(params)
+  reference, _ = case_reference(kind)
+  mesh = jax.make_mesh(
+      shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+  )
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_fn(params))
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   tx = om.muon(
       0.1,
       muon_weight_dimension_numbers=dims,
-      ns_options=base.STANDARD,
+      ns_options=STANDARD,
       sharding=om.ShardingOptions(
           replica_policy=policy, exchange_stages=stages
       ),
@@ -70,14 +80,14 @@ def test_staged_exchange_equals_single_device(case, stages):
   one = om.muon(
       0.1,
       muon_weight_dimension_numbers=dims,
-      ns_options=base.STANDARD,
+      ns_options=STANDARD,
       sharding=om.ShardingOptions(replica_policy=policy, exchange_stages=1),
   )
   sharded = put(params)
-  updates, _, compiled = base.sharded_steps(
+  updates, _, compiled = sharded_steps(
       tx, mesh, sharded, [put(g) for g in grads]
   )
-  base._compare(updates, reference)
+  compare(updates, reference)
 
   plan, whole = om.summarize(sharded, tx).plan, om.summarize(sharded, one).plan
   assert max(_stage_counts(plan)) == stages and max(_stage_counts(whole)) == 1
@@ -160,16 +170,16 @@ def test_bad_exchange_stages(stages):
 
 
 def test_summary_counts_every_stage():
-  params = base.gpt_tree(32, 3)
+  params = gpt_tree(32, 3)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   sharded = jax.tree.map(
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
       params,
-      base._fsdp_specs(params),
+      fsdp_specs(params),
   )
   tx = om.muon(
       0.1,
-      ns_options=base.STANDARD,
+      ns_options=STANDARD,
       sharding=om.ShardingOptions(exchange_stages=2),
   )
   rows = {r.path: r for r in om.summarize(sharded, tx).rows}

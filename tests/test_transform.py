@@ -10,6 +10,7 @@ import pytest
 import optax_muon as om
 from optax_muon._src.muon.coefficients import resolve_coefficients
 from helpers import (
+    normal,
     numpy_newton_schulz,
     random_grads,
     rel_err,
@@ -24,14 +25,14 @@ def _tree(seed=0, dtype=jnp.float32):
   ks = jax.random.split(jax.random.PRNGKey(seed), 5)
   return {
       "attn": {
-          "q": jax.random.normal(ks[0], (32, 32), dtype),
-          "o": jax.random.normal(ks[1], (32, 32), dtype),
+          "q": normal(ks[0], (32, 32), dtype),
+          "o": normal(ks[1], (32, 32), dtype),
       },
       "mlp": {
-          "up": jax.random.normal(ks[2], (32, 128), dtype),
-          "down": jax.random.normal(ks[3], (128, 32), dtype),
+          "up": normal(ks[2], (32, 128), dtype),
+          "down": normal(ks[3], (128, 32), dtype),
       },
-      "stack": jax.random.normal(ks[4], (3, 16, 48), dtype),
+      "stack": normal(ks[4], (3, 16, 48), dtype),
   }
 
 
@@ -219,7 +220,7 @@ def test_conv_and_per_head_dimension_numbers():
       ns_coeffs="polar_express", ns_steps=8, weight_dimension_numbers=dims
   )
   state = tx.init({"conv": conv, "heads": heads})
-  u, _ = tx.update({"conv": conv, "heads": heads}, state)
+  u, _ = jax.jit(tx.update)({"conv": conv, "heads": heads}, state)
   conv_matrix = np.asarray(u["conv"]).reshape(72, 16)
   assert np.allclose(singular_values(conv_matrix), 1, atol=2e-3)
   for h in range(4):  # every head is its own orthogonal matrix
@@ -448,8 +449,7 @@ def test_normuon_keeps_the_frobenius_norm_and_equalizes_neurons():
   )
   g = {
       "w": (
-          jax.random.normal(jax.random.PRNGKey(0), (64, 32))
-          * jnp.linspace(0.1, 10.0, 32)
+          normal(jax.random.PRNGKey(0), (64, 32)) * jnp.linspace(0.1, 10.0, 32)
       )
   }  # neurons of very different scale
   u_plain, _ = plain.update(g, plain.init(params))
