@@ -1,18 +1,14 @@
 """The update compiled for TPU pods and NVIDIA GPU clusters, on this CPU host,
-beside
-optax.contrib.muon: what each real compiler decides (memory, NS FLOPs,
-  collectives, overlap,
-precision, compile time).
+beside optax.contrib.muon: what each real compiler decides (memory, NS FLOPs,
+collectives, overlap, precision, compile time).
 
 Nothing runs on an accelerator: JAX builds a topology of devices that are not
-  here and the
-TPU compiler (libtpu) or the GPU compiler (the CUDA plugin, deviceless) compiles
-for it (``shared/aot/README.md`` of the workspace describes both). Each platform
-needs its own environment (they cannot share a process)::
+here and the TPU compiler (libtpu) or the GPU compiler (the CUDA plugin,
+deviceless) compiles for it (``shared/aot/README.md`` of the workspace describes
+both). Each platform needs its own environment (they cannot share a process)::
 
-  python -m venv /tmp/aot-tpu && /tmp/aot-tpu/bin/pip install "jax[tpu]==0.10.2"
-  optax python -m venv /tmp/aot-gpu && /tmp/aot-gpu/bin/pip install jax==0.10.2
-  \\
+  python -m venv /tmp/aot-tpu && /tmp/aot-tpu/bin/pip install "jax[tpu]==0.10.2" optax
+  python -m venv /tmp/aot-gpu && /tmp/aot-gpu/bin/pip install jax==0.10.2 \\
       jax-cuda12-plugin==0.10.2 nvidia-cuda-nvcc-cu12 optax
   /tmp/aot-tpu/bin/pip install --no-deps -e .   # and the same for /tmp/aot-gpu
   /tmp/aot-tpu/bin/python benchmarks/aot.py --targets tpu-v5e-16,tpu-v5p-256
@@ -23,23 +19,19 @@ too (products at bfloat16 and at float32), their modelled time and received
 bytes from ``summarize`` (``optax_muon._src.dion.costs``) beside the HLO's.
 
 Per target and tree, one row per optimizer: optax_muon as it plans by default
-  (the cost
-profile of the target's devices, found from their ``device_kind``),
+(the cost profile of the target's devices, found from their ``device_kind``),
 with teams forced off (prohibitive communication) and forced on (free
 communication), with its exchange in one stage (no overlap with NS), and
-optax.contrib.muon. Compiled with
-asynchronous collectives (``TPU_FLAGS``, ``GPU_FLAGS``). Columns: temp and
-  argument memory per device
+optax.contrib.muon. Compiled with asynchronous collectives (``TPU_FLAGS``,
+``GPU_FLAGS``). Columns: temp and argument memory per device
 (``memory_analysis``); the busiest device's NS FLOPs counted from that
-compiler's HLO
-(``hlo_cost``: dots, and the convolutions a TPU writes them as, times loop trip
-  counts)
-beside the plan's; collectives by kind with the bytes a device receives (ring
-model); the share of all-to-all bytes whose start/done pair has matrix products
-scheduled between them
-(the exchange's stages: see ``ShardingOptions.exchange_stages``);
-compile CPU seconds (``time.process_time`` of lower + compile, optimizers
-alternating); the plan's modelled NS and exchange time.
+compiler's HLO (``hlo_cost``: dots, and the convolutions a TPU writes them as,
+times loop trip counts) beside the plan's; collectives by kind with the bytes a
+device receives (ring model); the share of all-to-all bytes whose start/done
+pair has matrix products scheduled between them (the exchange's stages: see
+``ShardingOptions.exchange_stages``); compile CPU seconds (``time.process_time``
+of lower + compile, optimizers alternating); the plan's modelled NS and exchange
+time.
 """
 
 from __future__ import annotations
@@ -138,8 +130,7 @@ def llama_tree(
 ):
   """(params, dimension numbers, optax.contrib's dimension numbers, shardings):
   a stacked Llama-like tree of ``jax.ShapeDtypeStruct`` (float32), FSDP on each
-  matrix's first axis.
-  """
+  matrix's first axis."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import optax  # noqa: PLC0415
@@ -216,10 +207,8 @@ def optimizers(
     mesh, dims, contrib_dims, shardings, dion_ranks=(), muon: bool = True
 ) -> dict:
   """The compared optimizers: name → (transformation, the cost model it is given
-  or None);
-  ``dion_ranks``: also ``optax_muon.dion`` at these rank fractions (products at
-    bfloat16
-  and at float32); ``muon``: this package's Muon rows."""
+  or None); ``dion_ranks``: also ``optax_muon.dion`` at these rank fractions
+  (products at bfloat16 and at float32); ``muon``: this package's Muon rows."""
   import math  # noqa: PLC0415
 
   import optax  # noqa: PLC0415

@@ -7,24 +7,20 @@ train/validation split. Every run has the same budget, warmup + cosine schedule,
 batch stream and init for a given seed.
 
 1. AdamW: its learning rate A*; optax_muon.muon (package defaults) and
-  optax.contrib.muon
-   (its defaults, which also put the embedding and head on Muon): their Muon
-     learning
-   rates, AdamW parts at A*. By default these are ``BEST_LRS``, the winners of
-   the full sweep; ``--sweep`` redoes it (every sweep is extended, ×2 or ÷2 at
-   most twice, while its best value sits at an end).
+   optax.contrib.muon (its defaults, which also put the embedding and head on
+   Muon): their Muon learning rates, AdamW parts at A*. By default these are
+   ``BEST_LRS``, the winners of the full sweep; ``--sweep`` redoes it (every
+   sweep is extended, ×2 or ÷2 at most twice, while its best value sits at an
+   end).
 2. An ablation with this package's routing, at its learning rate: Polar Express
    coefficients.
 3. NorMuon (``normalization=NorMuon()``), its Muon learning rate swept.
 4. Decoupled weight decay ``WEIGHT_DECAY`` on both branches, plain and cautious,
-  and
-   NorMuon with cautious decay (at NorMuon's learning rate).
+   and NorMuon with cautious decay (at NorMuon's learning rate).
 5. Single-seed variants: sum momentum, and rms scaling at AdamW's learning rate
-  A* (the
-   claim that rms lets Muon reuse AdamW's learning rate).
+   A* (the claim that rms lets Muon reuse AdamW's learning rate).
 6. Dion (``optax_muon.dion``, the same routing) at rank fractions
-  ``DION_RANKS``, each with
-   its learning rate swept over ``DION_LRS``.
+   ``DION_RANKS``, each with its learning rate swept over ``DION_LRS``.
 
 Every row but 5 has two seeds (``--quick``: one). Reported: final validation
 loss (mean over seeds), the steps each needs to reach AdamW's final validation
@@ -35,9 +31,9 @@ found there.
   python benchmarks/convergence.py            # the full run (about two hours on
   2 cores; Dion's sweeps are half) python benchmarks/convergence.py --quick    #
   CI: tiny model, a few steps python benchmarks/convergence.py --rows
-    "optax_muon lr=,optax_muon weight decay"
-                                              # AdamW, the defaults and the
-                                              recommended
+                                              "optax_muon lr=,optax_muon weight
+                                              decay" # AdamW, the defaults and
+                                              the recommended
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@ collectives, memory.
 
 XLA's own ``cost_analysis`` counts a while-loop body once; here every
 instruction is weighted by the trip counts of the loops around it
-(``known_trip_count``), so an NS loop of
-5 steps counts 5 times. A device runs one branch of a conditional
-  (``lax.switch``): the
-FLOPs count its most expensive branch, and each branch's FLOPs are kept so that
-a caller who knows which device takes which branch gets every device's figure.
-Received bytes follow the ring model of ``shared/notes/muon.md``: all-gather and
-all-to-all B·(g−1)/g, reduce-scatter B·(g−1), all-reduce 2·B·(g−1)/g,
-collective-permute B, with B the output bytes and g the group size.
+(``known_trip_count``), so an NS loop of 5 steps counts 5 times. A device runs
+one branch of a conditional (``lax.switch``): the FLOPs count its most expensive
+branch, and each branch's FLOPs are kept so that a caller who knows which device
+takes which branch gets every device's figure. Received bytes follow the ring
+model of ``shared/notes/muon.md``: all-gather and all-to-all B·(g−1)/g,
+reduce-scatter B·(g−1), all-reduce 2·B·(g−1)/g, collective-permute B, with B the
+output bytes and g the group size.
 """
 
 from __future__ import annotations
@@ -72,12 +71,9 @@ def _dims(type_text: str) -> list[int]:
 
 def _convolution_flops(line: str, type_text: str, rhs_dims: list[int]) -> int:
   """2·|out|·(input features)·(window taps that land on input elements): a
-  batched matrix
-  product written as a convolution (the TPU compiler's form: the batch as a
-    spatial
-  dimension, window size k with lhs_dilate k, so that each output sees one
-  input).
-  """
+  batched matrix product written as a convolution (the TPU compiler's form: the
+  batch as a spatial dimension, window size k with lhs_dilate k, so that each
+  output sees one input)."""
   labels = re.search(r"dim_labels=\w+_(\w+)->", line).group(1)
   features = rhs_dims[labels.index("i")]
   window = re.search(r"window=\{([^}]*)\}", line)

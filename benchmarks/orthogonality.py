@@ -2,11 +2,10 @@
 msign.
 
 For each coefficient table: the exact-arithmetic worst |p(σ) − 1| on [1e-3, 1]
-  (composing
-the scalar polynomials in float64), and the measured worst |σ_i(NS(X)) −
-σ_i(msign(X))| on Gaussian matrices, power-law spectra (σ_i ∝ 1/i, like real
-gradients) and rank-deficient matrices (a quarter of σ = 0, which must map to
-0), with the NS products in float32 and bf16.
+(composing the scalar polynomials in float64), and the measured worst
+|σ_i(NS(X)) − σ_i(msign(X))| on Gaussian matrices, power-law spectra (σ_i ∝ 1/i, like real gradients) and rank-deficient
+matrices (a quarter of σ = 0, which must map to 0), with the NS products in
+float32 and bf16.
 
   python benchmarks/orthogonality.py           # 256 × 1024 matrices
   python benchmarks/orthogonality.py --quick   # CI: 32 × 64

@@ -1,29 +1,24 @@
 """The planner on trees of the benchmark families at other sizes: the busiest
 device's NS FLOPs, its received bytes and its collectives, from the plans (the
-compiled update's NS
-FLOPs equal the plan's: ``tests/test_group_plan.py``,
-  ``tests/test_planner_property.py``).
+compiled update's NS FLOPs equal the plan's: ``tests/test_group_plan.py``,
+``tests/test_planner_property.py``).
 
 Rows (f32, FSDP; Jordan, 5 NS steps):
 
 * GPT-like, 3 layers, d=256, vocab 1024, 64 devices, the default NS method
-  ("auto") and
-  the standard one, free communication (``CostModel(1e12, inf, 0)``): the
-    busiest device's
-  NS FLOPs ÷ Σc/N, c the NS FLOPs of a whole matrix (floor 1.3);
+  ("auto") and the standard one, free communication (``CostModel(1e12, inf,
+  0)``): the busiest device's NS FLOPs ÷ Σc/N, c the NS FLOPs of a whole matrix
+  (floor 1.3);
 * Llama-like (GQA 4:1, SwiGLU ffn 704), 2 layers, d=256, 64 devices, free
   communication: the same (floor 1.3);
 * the GPT-like tree with prohibitive communication (1 byte/s, 1 s per
   collective): the busiest device's NS FLOPs ÷ those of the whole-matrix plan
-    (min FLOPs, then bytes), its
-  collectives, and whether the plan is that plan (floor: 1.00, 2 collectives,
-    yes);
+  (min FLOPs, then bytes), its collectives, and whether the plan is that plan
+  (floor: 1.00, 2 collectives, yes);
 * MoE, 4 layers, 8 SwiGLU experts (ffn = d) per layer, d=256, expert 4 × fsdp 8,
-  the
-  default cost model (the CPU profile): the busiest device's received bytes ÷
-    the critical
-  byte bound (``sharding.bounds``), and its NS FLOPs ÷ plain LPT's (floor 1.45
-  and 1.00).
+  the default cost model (the CPU profile): the busiest device's received bytes
+  ÷ the critical byte bound (``sharding.bounds``), and its NS FLOPs ÷ plain
+  LPT's (floor 1.45 and 1.00).
 
   python benchmarks/planner.py
 """

@@ -7,8 +7,7 @@ Jordan, 5 NS steps, standard iteration, f32):
 * GPT, 3 layers, per-layer leaves, d=256 (q, k, v, o: d × d; mlp: d × 4d, 4d ×
   d), FSDP;
 * Llama-like, 12 layers stacked, d=256: grouped-query attention (8 query heads,
-  2 key/value
-  heads: k, v are d × d/4) and SwiGLU (ffn 704), FSDP;
+  2 key/value heads: k, v are d × d/4) and SwiGLU (ffn 704), FSDP;
 * MoE, 8 layers stacked, d=256: the same attention and a router (d × 8) FSDP
   over every device, 8 SwiGLU experts per layer (ffn 256) on an expert axis ×
   FSDP.
@@ -36,16 +35,13 @@ optax_muon). Per device, per step, from the compiled HLO:
   the same tree and mesh (caches cleared; the faster of two compiles each,
   alternating);
 * avg: the busiest device's NS FLOPs ÷ Σ_j c_j / N (the plan with the default
-  cost model);
-  teams avg: the same with communication made free (``CostModel(1e12, inf,
-    0)``), where the
-  plan splits matrices over teams of devices; teams compile: that update's
-  compile time.
+  cost model); teams avg: the same with communication made free
+  (``CostModel(1e12, inf, 0)``), where the plan splits matrices over teams of
+  devices; teams compile: that update's compile time.
 
 The "old" columns are measured from earlier code: ``--baseline REV`` (default:
-  the last
-commit before teams and the cost model) is extracted with ``git archive`` and
-put first on the path of a second child process.
+the last commit before teams and the cost model) is extracted with ``git
+archive`` and put first on the path of a second child process.
 
 ``--plan-only`` compiles nothing: it plans from abstract shapes and prints the
 modelled NS + all-to-all time of the busiest device per step, whole matrices vs
@@ -481,8 +477,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def plan_only_rows(counts: tuple[int, ...], large: bool) -> list[dict]:
   """Modelled NS time per step of the whole-matrix plan and of the plan with
   teams, under the GPU and TPU profiles, NS in float32 and in bfloat16 (standard
-  iteration, 5 steps).
-  """
+  iteration, 5 steps)."""
   cases = []
   for name, params, dims, _ in trees(False):
     leaves, flat_dims = _flat(params), _flat(dims)

@@ -58,8 +58,7 @@ def alternate(fns: dict, args: dict, repeats: int) -> dict[str, float]:
 def _muon(package, params, stacked: bool, method: str):
   """``package.muon`` with every matrix (2-D or stacked) on Muon and NAdamW
   elsewhere; also the flat keywords of the code before the option objects (a
-  ``--baseline`` checkout).
-  """
+  ``--baseline`` checkout)."""
   # optax.contrib's dimension numbers: every version of optax_muon accepts them.
   dims = muon_dims(params, contrib=True) if stacked else None
   if hasattr(package, "NSOptions"):

@@ -1,7 +1,6 @@
 """Parameter trees for the benchmarks: GPT-like (per-layer or stacked),
 Llama-like (grouped- query attention + SwiGLU, stacked) and mixture-of-experts
-(stacked, experts per layer).
-"""
+(stacked, experts per layer)."""
 
 from __future__ import annotations
 
@@ -81,9 +80,8 @@ def llama_tree(
     seed: int = 0,
 ) -> dict:
   """Stacked Llama-like params: grouped-query attention (q, o: d × d; k, v: d ×
-  kv_heads·hd)
-  and a SwiGLU MLP (gate, up: d × ffn; down: ffn × d), RMSNorm scales, embedding
-    and head.
+  kv_heads·hd) and a SwiGLU MLP (gate, up: d × ffn; down: ffn × d), RMSNorm
+  scales, embedding and head.
 
   Args:
     d: width.
@@ -126,9 +124,8 @@ def moe_tree(
     seed: int = 0,
 ) -> dict:
   """Stacked mixture-of-experts params: the attention of ``llama_tree``, a
-  router (d × E) and
-  per layer E SwiGLU experts (gate, up: (L, E, d, expert_ffn); down: (L, E,
-    expert_ffn, d)).
+  router (d × E) and per layer E SwiGLU experts (gate, up: (L, E, d,
+  expert_ffn); down: (L, E, expert_ffn, d)).
 
   Args:
     d: width.

@@ -1,8 +1,8 @@
 """A small byte-level GPT in Flax NNX and the built-in corpus it trains on.
 
 The corpus is the Python standard library's own source files: real text that
-  ships with
-every Python install, so the examples, benchmarks and tests need no download.
+ships with every Python install, so the examples, benchmarks and tests need no
+download.
 """
 
 from __future__ import annotations
@@ -113,8 +113,7 @@ class GPT(nnx.Module):
     """Next-token logits; with ``with_logit_max``, also ``{"blocks": [S_0, S_1,
     ...]}``, each block's per-head largest attention logit (``head_logit_max``): the shape QK-clip's
     ``attn_logit_max`` takes, matched to ``blocks/i/q`` and ``blocks/i/k`` by
-    path.
-    """
+    path."""
     x = (
         embedding_lookup(self.embed.embedding[...], tokens)
         + self.pos_embed[: tokens.shape[1]]

@@ -2,14 +2,12 @@
 AdamW.
 
 Runs on 8 virtual CPU devices under an Explicit mesh. ``--sharding fsdp`` (the
-default)
-shards every matrix over the devices (FSDP): the forward pass all-gathers the
-  weights, the
-gradients come back reduce-scattered, and Muon's plan orthogonalizes each whole
-matrix on exactly one device. ``--sharding dp`` replicates the params (data
-parallel; Muon splits the NS work over the replicas). The batch is always
-sharded. Writes ``<out>/train_lm.json`` (the curves) and ``<out>/train_lm.png``
-(the plot).
+default) shards every matrix over the devices (FSDP): the forward pass
+all-gathers the weights, the gradients come back reduce-scattered, and Muon's
+plan orthogonalizes each whole matrix on exactly one device. ``--sharding dp``
+replicates the params (data parallel; Muon splits the NS work over the
+replicas). The batch is always sharded. Writes ``<out>/train_lm.json`` (the
+curves) and ``<out>/train_lm.png`` (the plot).
 
 ``--qk-clip TAU`` adds a run of Muon with QK-clip at threshold TAU (``muon(...,
 qk_clip=QKClip(TAU, heads))``, fed each step's per-head logit maxima) and
@@ -251,8 +249,7 @@ def train(
     """The step, fed the forward pass's per-head logit maxima (QK-clip uses
     them, the others ignore them); also the largest logit on the step's batch
     with the params the step ends with (after QK-clip's rescale): a second
-    forward pass, not the clip's own arithmetic.
-    """
+    forward pass, not the clip's own arithmetic."""
     (loss, maxima), grads = jax.value_and_grad(
         lambda p: loss_and_logit_max(model_of(p), batch), has_aux=True
     )(params)

@@ -1,8 +1,6 @@
 """Compiles the sharded update for a TPU or GPU topology on this CPU host and
-prints what the
-compiler decided, as JSON (run by ``test_aot.py`` in a process of its own: a TPU
-  and a GPU
-compiler cannot share one).
+prints what the compiler decided, as JSON (run by ``test_aot.py`` in a process
+of its own: a TPU and a GPU compiler cannot share one).
 
   python tests/aot_worker.py tpu|cuda
 """

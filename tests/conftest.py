@@ -48,9 +48,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 # Scripts run in subprocesses by test_multihost.py and test_aot.py (each sets up
-# its own
-# devices from its command line): never imported here, where --doctest-modules
-# would otherwise import them.
+# its own devices from its command line): never imported here, where
+# --doctest-modules would otherwise import them.
 collect_ignore = ["multihost_worker.py", "aot_worker.py"]
 
 

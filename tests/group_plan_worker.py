@@ -1,8 +1,7 @@
 """Run by ``test_group_plan.py`` with 64 virtual devices: the GPT tree (d=256, 3
 layers, FSDP) with free communication. Prints the busiest device's compiled NS
 FLOPs ÷ Σc/N with teams and with whole matrices only, then the largest relative
-error against the single-device update.
-"""
+error against the single-device update."""
 
 import math
 

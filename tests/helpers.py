@@ -9,10 +9,8 @@ import optax
 import pytest
 
 #: Tests that compare against optax.contrib.muon need its 0.2.8 API
-#: (preconditioning,
-#: consistent_rms, MuonDimensionNumbers); with an older optax (the declared
-#: minimum is
-#: 0.2.5) they are skipped, everything else runs.
+#: (preconditioning, consistent_rms, MuonDimensionNumbers); with an older optax
+#: (the declared minimum is 0.2.5) they are skipped, everything else runs.
 requires_contrib_api = pytest.mark.skipif(
     "preconditioning" not in inspect.signature(optax.contrib.muon).parameters,
     reason=(

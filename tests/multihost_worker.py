@@ -24,7 +24,7 @@ from trees import gpt_tree  # noqa: E402
 def sharded_steps(tx, params, grads, mesh, matrix_spec):
   """``tx``'s steps on ``mesh`` (matrices laid out by ``matrix_spec``, the rest
   replicated): (the last updates gathered whole on every process, the sharded
-    params)."""
+  params)."""
   specs = jax.tree.map(lambda x: matrix_spec if x.ndim == 2 else P(), params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(  # noqa: E731
@@ -44,10 +44,8 @@ def check(
     params, cost_model, process_id: int, name: str, interleave: bool = False
 ) -> None:
   """Two steps of Muon on FSDP over both processes' 8 devices == one process's
-  update.
-  ``interleave``: mesh devices alternate between the processes (so that every
-    team of
-  consecutive devices spans both)."""
+  update. ``interleave``: mesh devices alternate between the processes (so that
+  every team of consecutive devices spans both)."""
   rng = np.random.default_rng(7)
   grads = [
       jax.tree.map(

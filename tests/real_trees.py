@@ -12,8 +12,8 @@ TREES = pathlib.Path(__file__).resolve().parent / "trees"
 
 def load(name: str) -> tuple[dict, dict]:
   """The tree recorded in ``tests/trees/<name>.json`` (nested dicts of
-  ``jax.ShapeDtypeStruct``), and the record's header (library, version, model).
-  """
+  ``jax.ShapeDtypeStruct``), and the record's header (library, version,
+  model)."""
   record = json.loads((TREES / f"{name}.json").read_text())
   tree: dict = {}
   for leaf in record.pop("leaves"):

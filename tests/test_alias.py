@@ -308,8 +308,8 @@ def _mlp(key=jax.random.PRNGKey(0), sizes=(16, 64, 64, 4)):
 @pytest.mark.slow
 def test_defaults_follow_optax_contrib_loss_curve():
   """Default arguments of both on a plain MLP: the same loss curve over 20 steps
-  (the
-  differences left: the NS ε of the preset and the float32 normalization)."""
+  (the differences left: the NS ε of the preset and the float32
+  normalization)."""
   x = normal(jax.random.PRNGKey(1), (256, 16))
   y = jnp.sin(x[:, :4] * 2.0) + x[:, 4:8] ** 2
 

@@ -891,11 +891,10 @@ def test_any_tree_dion(d, fraction):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_teams_keep_16_bit_precision(dtype):
   """Devices that share a 16-bit matrix (a team, here all 8) give the update one
-  device
-  gives, to a few ulps: one device accumulates X·Xᵀ in float32 and rounds once,
-    so the team
-  must sum its members' partial products in float32 too (summed in 16 bits they
-  were off by 4% of the largest entry in bfloat16, 0.8% in float16)."""
+  device gives, to a few ulps: one device accumulates X·Xᵀ in float32 and rounds
+  once, so the team must sum its members' partial products in float32 too
+  (summed in 16 bits they were off by 4% of the largest entry in bfloat16, 0.8%
+  in float16)."""
   grads = {
       "w": np.random.default_rng(0).standard_normal((16, 32)).astype(dtype)
   }

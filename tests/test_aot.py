@@ -1,11 +1,10 @@
 """The update compiled by the real TPU and GPU compilers (ahead of time, on this
 CPU host): each device's NS FLOPs are the plan's, every float32 NS product is at
-  full precision, the
-plan uses the target's own cost profile, and teams compile with their
-collectives inside the NS loop. Each platform compiles in a process of its own
-(``aot_worker.py``); a platform whose compile-only package is not installed is
-skipped with the command that installs it (``.ci/run`` makes such an
-environment).
+full precision, the plan uses the target's own cost profile, and teams compile
+with their collectives inside the NS loop. Each platform compiles in a process
+of its own (``aot_worker.py``); a platform whose compile-only package is not
+installed is skipped with the command that installs it (``.ci/run`` makes such
+an environment).
 """
 
 import importlib.util
@@ -77,8 +76,7 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
     ), name  # per device, from the HLO
     assert got["products"] > 0, name
   # Asked for float32: every product's operands are float32 at HIGHEST (none
-  # quietly
-  # converted to bfloat16). By default on an accelerator: bf16 operands.
+  # quietly converted to bfloat16). By default on an accelerator: bf16 operands.
   for name in ("float32", "teams"):
     assert out[name]["f32_highest"] == out[name]["products"], out[name]
     assert any("float32 at full precision" in n for n in out[name]["notes"])

@@ -44,9 +44,8 @@ def test_single_device_quick(capsys):
     )
     assert r["vs_contrib"] == pytest.approx(r["ms"] / base)
   # NS throughput of the d=64, 2-layer stacked tree: one row per canonical shape
-  # and method
-  # (q, k, v, o: 4·2 of 64×64; mlp in and out: 2·2 of 64×256, the same shape
-  # once turned).
+  # and method (q, k, v, o: 4·2 of 64×64; mlp in and out: 2·2 of 64×256, the
+  # same shape once turned).
   assert sorted((r["shape"], r["method"]) for r in ns_rows) == sorted(
       (shape, method)
       for shape in ("8 × 64×64", "4 × 64×256")
@@ -121,8 +120,7 @@ def test_dion_vs_muon():
   """Dion's modelled step beside Muon's plan on the large abstract trees: a row
   per tree and mesh; Dion's bytes scale with the rank, and on FSDP 32 × TP 8 at
   rank 1/64 it moves fewer bytes than Muon's exchange (both sides split), on
-  FSDP 256 more (one side).
-  """
+  FSDP 256 more (one side)."""
   import dion_vs_muon  # noqa: PLC0415
 
   rows = dion_vs_muon.main(["--profiles", "h100"])

@@ -91,12 +91,9 @@ def test_full_rank_converges_to_svd_polar_factor():
 def test_matches_a_float64_reference_of_the_algorithm(fraction, iterations):
   """20 steps of ``scale_by_dion`` (float32, randomized Cholesky-QR at rank < 1)
   on drifting gradients equal the algorithm written out in float64 NumPy with
-  Householder QR, from the
-  same initial Q: both orthonormalizations are P·T with T upper triangular, so
-    they agree
-  up to column signs, which the update and the buffer do not see.
-    ``iterations``: power
-  iterations per step."""
+  Householder QR, from the same initial Q: both orthonormalizations are P·T with
+  T upper triangular, so they agree up to column signs, which the update and the
+  buffer do not see. ``iterations``: power iterations per step."""
   rng = np.random.default_rng(0)
   m, n, beta = 32, 64, 0.9
   tx = om.scale_by_dion(fraction, beta=beta, power_iterations=iterations)
@@ -123,8 +120,7 @@ def test_matches_a_float64_reference_of_the_algorithm(fraction, iterations):
 def test_degenerate_gradients_give_finite_updates(fraction):
   """Gradients of rank below r (all zeros, one nonzero row, rank 2 with r ≥ 8)
   give finite updates and state, Q keeps unit columns, and a zero gradient gives
-  a zero update.
-  """
+  a zero update."""
   rng = np.random.default_rng(1)
   m, n = 32, 16
   one_row = np.zeros((m, n))
@@ -217,8 +213,7 @@ def _by_path(tree):
 def test_dion_is_muon_with_another_direction():
   """``dion`` routes like ``muon``: its matrix updates are −η·(scale(n_in,
   n_out)· ``scale_by_dion``'s direction + λ·W), the embedding, head and vectors
-  get NAdamW's.
-  """
+  get NAdamW's."""
   params = gpt_tree(8, 1, vocab=32)
   grads = [random_like(params, s) for s in (1, 2)]
   tx = om.dion(
@@ -447,12 +442,10 @@ def test_compiled_collectives_are_small(case, fraction):
 @pytest.mark.parametrize("case,fraction", [("fsdp8", 0.5), ("fsdp4xtp2", 1.0)])
 def test_shard_map_equals_single_device(case, fraction):
   """``dion`` inside the user's jitted ``shard_map`` (local blocks in, ``psum``s
-  and, at
-  full rank, P's row gather by axis name): init outside and inside the
-    ``shard_map`` agree
-  (Q's column norms summed in another order), two steps equal one device (as
-  ``_compare_to_single_device``), and the compiled step's collectives are as
-  small as under ``jit`` (``_check_collectives``)."""
+  and, at full rank, P's row gather by axis name): init outside and inside the
+  ``shard_map`` agree (Q's column norms summed in another order), two steps
+  equal one device (as ``_compare_to_single_device``), and the compiled step's
+  collectives are as small as under ``jit`` (``_check_collectives``)."""
   shape, names, layers, specs_fn = CASES[case]
   params = gpt_tree(D, layers)
   grads = [random_like(params, 10 + t) for t in range(2)]
@@ -518,8 +511,7 @@ def test_summary_models_the_compiled_collectives(case, fraction, tolerance):
   beside the bytes a whole-matrix exchange would move for it; the modelled bytes
   a device receives equal the compiled program's (ring model) on FSDP, and are
   within 1.2× on FSDP × TP (XLA adds reshards there); the compiled collectives
-  as ``test_compiled_collectives_are_small`` checks them.
-  """
+  as ``test_compiled_collectives_are_small`` checks them."""
   _, _, compiled, params, _, _ = _sharded_run(
       case, AxisType.Explicit, fraction, steps=1, reference=False
   )
@@ -589,8 +581,7 @@ def test_summary_of_dion_on_an_abstract_mesh():
   """``summarize`` of ``dion`` from abstract shapes on FSDP 8: per matrix its
   rank and Dion's ring-model bytes (P = M·Q needs no sum when the rows are
   split; R = Mᵀ·P, the sketch and the Gram are all-reduced over the 8 devices),
-  beside a whole-matrix exchange's bytes.
-  """
+  beside a whole-matrix exchange's bytes."""
   mesh = jax.sharding.AbstractMesh(
       (8,), ("fsdp",), axis_types=(AxisType.Explicit,)
   )

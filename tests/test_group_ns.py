@@ -1,7 +1,6 @@
 """Newton–Schulz of one matrix by a team of devices, each holding a block of its
 columns: equal to the whole-matrix iteration, with the FLOPs and collectives the
-  model predicts.
-"""
+model predicts."""
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +21,7 @@ M, N = 24, 96
 def _team_run(x, table, k, **kw):
   """x: (batch, M, N) canonical; batch over 8/k teams, columns over k members.
   The team's collectives run over both mesh axes, grouped by team (the shard_map
-  checks replication).
-  """
+  checks replication)."""
   mesh = jax.make_mesh((8 // k, k), ("teams", "members"))
   spec = P("teams", None, "members")
   team = MeshTeam(("teams", "members"), devices=8, size=k)

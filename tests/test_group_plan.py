@@ -1,7 +1,6 @@
 """Matrices split over teams of devices, chosen by the cost model: equal to the
 single-device update, and each device's compiled NS FLOPs and NS-loop
-collectives are the plan's.
-"""
+collectives are the plan's."""
 
 import math
 import os
@@ -66,8 +65,7 @@ def _rounds(plan):
 def _check_compiled_is_the_plan(compiled, plan):
   """Per device NS FLOPs, and the collectives inside NS loops, as the plan
   predicts: each distinct team run (a run of each team program) loops over its
-    steps with a reduce-scatter
-  and two all-gathers."""
+  steps with a reduce-scatter and two all-gathers."""
   cost = hlo_cost.analyze(compiled, plan.device_count)
   assert (compiled_device_flops(cost, plan) == plan.device_ns_flops()).all()
   in_loop = [c for c in cost.collectives if c.in_loop]
@@ -288,12 +286,9 @@ def test_gpt_on_64_devices_reaches_the_average_with_free_communication():
 )
 def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
   """(40, 8) leaves FSDP-split on the long side (5 rows per device) and (8, 40)
-  ones split
-  on the short side: teams of 2 get 3 of the 5 local rows (one zero-padded), and
-    the
-  update still equals the single-device one, for both NS methods and complex
-  leaves.
-  """
+  ones split on the short side: teams of 2 get 3 of the 5 local rows (one
+  zero-padded), and the update still equals the single-device one, for both NS
+  methods and complex leaves."""
   mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   key = jax.random.PRNGKey(0)
   shapes = {"a": (40, 8), "b": (40, 8), "c": (40, 8), "d": (8, 40)}
@@ -312,7 +307,7 @@ def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
       ns_options=ns, sharding=om.ShardingOptions(cost_model=model)
   )
   single = make(None)
-  expected, _ = single.update(grads, single.init(params), params)
+  expected, _ = jax.jit(single.update)(grads, single.init(params), params)
   tx = make(FREE)
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   sharded = put(params)
@@ -328,12 +323,9 @@ def test_split_pads_blocks_that_k_does_not_divide(dtype, method):
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_free_communication_reaches_the_average_on_64_devices(case, method):
   """GPT-like (3 layers, d=256) and Llama-like (GQA 4:1, SwiGLU; 2 layers,
-  d=256) on 64
-  devices with free communication, either NS method: the busiest device within
-    1.3× Σc/N
-  (whole matrices: 5.3–8.1×). Plans; ``test_planner_property`` compiles such
-    trees.
-  """
+  d=256) on 64 devices with free communication, either NS method: the busiest
+  device within 1.3× Σc/N (whole matrices: 5.3–8.1×). Plans;
+  ``test_planner_property`` compiles such trees."""
   whole, plan, _, _ = sharding.abstract_plans(
       *getattr(planner, f"{case}_case")(), om.NSOptions(method=method), FREE
   )
@@ -356,10 +348,9 @@ def test_prohibitive_communication_on_64_devices_is_the_whole_matrix_plan(
 @pytest.mark.parametrize("method", ["auto", "standard"])
 def test_moe_plan_bytes_near_the_bound(method):
   """MoE, 4 layers, 8 experts on expert 4 × fsdp 8 (32 devices), d = 256,
-  planned from
-  abstract shapes under the CPU profile, either NS method: FLOPs at plain LPT's
-    level and
-  the busiest device's received bytes within 1.45× the byte bound (1.12×)."""
+  planned from abstract shapes under the CPU profile, either NS method: FLOPs at
+  plain LPT's level and the busiest device's received bytes within 1.45× the
+  byte bound (1.12×)."""
   params = moe_tree(256, 4, heads=8, kv_heads=2, experts=8, expert_ffn=256)
   dims = stacked_dims(params, adam=sharding.ADAM)
   leaves, flat_dims = sharding._flat(params), sharding._flat(dims)
@@ -385,10 +376,8 @@ def test_moe_plan_bytes_near_the_bound(method):
 
 def _element_index(ex, plan, g):
   """Step 2's buffer, element by element, written out: the reference for the
-  executor's
-  unit index (a row: the member's blocks of its team's runs, its whole matrices'
-    pieces,
-  padding one past the end)."""
+  executor's unit index (a row: the member's blocks of its team's runs, its
+  whole matrices' pieces, padding one past the end)."""
   from optax_muon._src.muon.executor import _member_slice  # noqa: PLC0415
 
   starts = np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])

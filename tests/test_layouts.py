@@ -109,8 +109,7 @@ def test_gemma_kernels_go_to_muon_embeddings_norms_and_biases_to_adamw(name):
 def test_gemma3_1b_matrices_and_shape_factors(heads, expected):
   """Whole heads: the d_model × heads·head_dim projection (Moonlight, Kimi K2);
   per head: one head_dim × d_model matrix per head, with its own shape factor
-    (2.12 vs 1.06 for the
-  attention output)."""
+  (2.12 vs 1.06 for the attention output)."""
   params, _ = load("gemma_Gemma3_1B")
   rows = _rows(params, om.muon(0.02, routing=om.Routing(heads=heads)))
   for leaf, (matrix, batch, scale) in expected.items():
@@ -152,8 +151,7 @@ def test_gemma_dimension_numbers_are_the_ones_the_einsums_contract():
 def _gemma3_block(dtype=jnp.float32):
   """Layer 0 of Gemma 3 1B with its real shapes, the final norm, and the
   embedding with its vocabulary cut to 512 rows (the update is compared
-  numerically, on the CPU).
-  """
+  numerically, on the CPU)."""
   full, _ = load("gemma_Gemma3_1B")
   tree = {
       "layer_0": full["layer_0"],
@@ -278,8 +276,7 @@ def test_flax_nnx_attention_reaches_muon_inside_nnx_optimizer():
 def _mesh_of_names(names):
   """Flax 0.12 places variables with sharding names on the current mesh when it
   makes them; the names here are logical, so a one-device mesh with those axis
-  names stands in.
-  """
+  names stands in."""
   mesh = jax.make_mesh(
       (1,) * len(names),
       names,

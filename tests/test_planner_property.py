@@ -1,11 +1,10 @@
 """The planner on random trees of the benchmark families (GPT, Llama-like with
 grouped-query attention and SwiGLU, mixture of experts) × layers × widths × 8–64
 devices: with communication prohibitive it returns the whole-matrix plan, with
-  communication free its
-busiest device approaches Σc/N, and under any model in between it is no slower,
-under that model, than either. Plans only (no compile), except the compiled
-draws marked slow, whose NS FLOPs per device, read from the HLO, are the
-plan's."""
+communication free its busiest device approaches Σc/N, and under any model in
+between it is no slower, under that model, than either. Plans only (no compile),
+except the compiled draws marked slow, whose NS FLOPs per device, read from the
+HLO, are the plan's."""
 
 import json
 import math
@@ -179,8 +178,7 @@ def test_the_planner_reduces_to_what_it_replaced(case, bandwidth, latency):
   """Prohibitive communication: exactly the whole-matrix plan. Free: the busiest
   device within 1.3× of Σc/N (or of the costliest matrix's least share). In
   between: no slower, under that model, than the whole-matrix plan, nor than the
-    free plan beyond the margin a
-  split must win by."""
+  free plan beyond the margin a split must win by."""
   leaves, mesh, ns = case
   between = om.CostModel(1e12, 10.0**bandwidth, latency)
   whole, (prohibitive, free, chosen) = plans(
@@ -202,8 +200,7 @@ def compiled_draw(family, d, layers, devices, ratio, experts, method) -> dict:
   """Run with ``devices`` virtual devices: the tree's update with free
   communication, compiled; asserts each device's NS FLOPs in the HLO are the
   plan's, and returns the largest relative error against the single-device
-  update and the team sizes used.
-  """
+  update and the team sizes used."""
   import hlo_cost  # noqa: PLC0415  (benchmarks/, on the path in the worker)
   from helpers import rel_err  # noqa: PLC0415
   from jax.sharding import AxisType, NamedSharding  # noqa: PLC0415

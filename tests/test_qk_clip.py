@@ -382,9 +382,8 @@ def test_sharded_equals_single_device_without_collectives(axis_type):
     assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path)
     assert a.sharding.is_equivalent_to(s, a.ndim), jax.tree_util.keystr(path)
   # Elementwise per head: no matrix moves. (Under Auto axes XLA may all-gather a
-  # factor
-  # vector it chose to compute sharded: 16 floats, against 256 for the smallest
-  # matrix.)
+  # factor vector it chose to compute sharded: 16 floats, against 256 for the
+  # smallest matrix.)
   collectives = hlo_cost.analyze(compiled, 8).collectives
   assert all(c.output_bytes <= 4 * 4 * DH for c in collectives), collectives
   assert explicit <= (collectives == [])

@@ -282,10 +282,9 @@ def test_summary_reports_the_plan():
   rows = {r.path: r for r in summary.rows}
   assert "all-to-all over fsdp" in rows["blocks/0/q"].placement
   # 3 layers: 12 square matrices (c = 1 unit) and 6 (d, 4d) ones (3 units) over
-  # 8 devices,
-  # 3.75 units each at best: six devices take one wide and one square matrix,
-  # two take 3 square ones (two patterns). The uniform plan ran 2 square + 1
-  # wide slots everywhere (5 units).
+  # 8 devices, 3.75 units each at best: six devices take one wide and one square
+  # matrix, two take 3 square ones (two patterns). The uniform plan ran 2 square
+  # + 1 wide slots everywhere (5 units).
   assert (
       "12 matrices, 1–3 whole per worker of 8" in rows["blocks/0/q"].placement
   )
@@ -364,9 +363,8 @@ def test_assignment_balances_odd_mixes(devices, layers):
   )
   received = 2 * (n - 1) * ex.chunk(n)  # elements, both ways
   # Equal chunks: no placement does better than the biggest matrix or the fair
-  # share in the
-  # busiest chunk (1 layer on 16 or 64 devices: the biggest matrix is 2.6× the
-  # fair share).
+  # share in the busiest chunk (1 layer on 16 or 64 devices: the biggest matrix
+  # is 2.6× the fair share).
   best_chunks = 2 * (n - 1) / n * max(biggest, total / n)
   assert received <= max(1.45 * byte_bound, 1.05 * best_chunks)
   assert len(ex.programs) <= 8
@@ -385,11 +383,10 @@ def test_assignment_three_layers_on_eight_devices():
 
 def test_assignment_uses_few_programs_where_that_is_free():
   """12 layers of GQA + SwiGLU on 64 devices: 36 (d, f) matrices, 24 d × d and
-  24 d × d/4.
-  One wide matrix is the bound, so 36 workers own one each (two programs:
-    gate/up and down
-  fit together differently), 12 own two d × d and two d × d/4, 16 idle: four
-  programs, at the bound, with the busiest owner's chunk one wide matrix."""
+  24 d × d/4. One wide matrix is the bound, so 36 workers own one each (two
+  programs: gate/up and down fit together differently), 12 own two d × d and two
+  d × d/4, 16 idle: four programs, at the bound, with the busiest owner's chunk
+  one wide matrix."""
   d, f, layers = 256, 704, 12
   shapes = [(d, d), (d, d // 4), (d, d // 4), (d, d), (d, f), (d, f), (f, d)]
   leaves = [
@@ -420,10 +417,8 @@ def test_assignment_uses_few_programs_where_that_is_free():
 
 def test_assignment_balances_across_groups():
   """MoE: attention FSDP over expert × fsdp (one group), experts on expert ×
-  fsdp (another).
-  A device's load sums over both groups: the attention matrices go to the
-    devices whose
-  fsdp coordinate owns fewer experts."""
+  fsdp (another). A device's load sums over both groups: the attention matrices
+  go to the devices whose fsdp coordinate owns fewer experts."""
   d = 128
   attention = [
       (
@@ -495,8 +490,8 @@ def test_unsharded_leaves_are_the_trivial_plan():
 def test_floors_at_scale_trees_on_eight_devices(tree):
   """The benchmark's GQA + SwiGLU and MoE trees (small) on 8 devices, read off
   the HLO: NS FLOPs, received bytes, temp memory within the floors; each
-    device's compiled NS FLOPs
-  are the plan's; the MoE update equals the single-device one."""
+  device's compiled NS FLOPs are the plan's; the MoE update equals the
+  single-device one."""
   name, params, dims, _ = next(
       t for t in sharding.trees(quick=True) if t[0].startswith(tree)
   )
@@ -670,8 +665,7 @@ def test_normuon_state_sharded_at_init_eager_and_abstract(axis_type):
 def test_jitted_init_places_the_state_like_the_params(axis_type):
   """A jitted init gives Muon's momentum and AdamW's moments their params'
   shardings (on an Auto mesh the compiler would otherwise replicate the zeros),
-  and leaves the rest alone.
-  """
+  and leaves the rest alone."""
   params = gpt_tree(32, 2)
   mesh = make_mesh((8,), ("fsdp",), axis_type)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), fsdp_specs(params))

@@ -146,7 +146,7 @@ def test_ema_without_bias_correction_is_keller_jordan():
 def test_bias_corrected_ema_differs_from_the_uncorrected_one_only_in_the_mix():
   """With Nesterov, optax.contrib's bias correction weighs g more at early
   steps: n ∝ β/(1−β^(t+1))·m + (1−β)/(1−β^t)·g; without Nesterov n = m in
-    both."""
+  both."""
   params = {"w": jnp.zeros((16, 24))}
   table = resolve_coefficients("polar_express", 8)
   beta = 0.9
@@ -452,8 +452,8 @@ def test_normuon_keeps_the_frobenius_norm_and_equalizes_neurons():
           normal(jax.random.PRNGKey(0), (64, 32)) * jnp.linspace(0.1, 10.0, 32)
       )
   }  # neurons of very different scale
-  u_plain, _ = plain.update(g, plain.init(params))
-  u, state = normed.update(g, normed.init(params))
+  u_plain, _ = jax.jit(plain.update)(g, plain.init(params))
+  u, state = jax.jit(normed.update)(g, normed.init(params))
   assert np.isclose(
       jnp.linalg.norm(u["w"]), jnp.linalg.norm(u_plain["w"]), rtol=1e-5
   )

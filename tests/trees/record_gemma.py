@@ -3,14 +3,13 @@ weights).
 
 The models are built from Google DeepMind's own ``gemma`` library (PyPI package
 ``gemma``), and their parameter trees are obtained with ``jax.eval_shape`` of
-the
-Flax ``init``: nothing is allocated and no checkpoint is downloaded. The JSON
-  files
-written next to this script let the package's tests (which run without
-``gemma``) check routing on the real trees.
+the Flax ``init``: nothing is allocated and no checkpoint is downloaded. The
+JSON files written next to this script let the package's tests (which run
+without ``gemma``) check routing on the real trees.
 
 The ``gemma`` library needs Python >= 3.12 (and pulls TensorFlow), so this
-script is run by hand in a separate virtualenv outside the repository, never by the tests::
+script is run by hand in a separate virtualenv outside the repository, never by
+the tests::
 
   /root/.pyenv/versions/3.12.1/bin/python -m venv /tmp/gemma-venv
   /tmp/gemma-venv/bin/pip install gemma==4.0.1 jax sentencepiece==0.2.1
@@ -18,18 +17,16 @@ script is run by hand in a separate virtualenv outside the repository, never by 
 
 (``sentencepiece==0.2.1``: the newest, 0.2.3, ships protobuf-7 generated code
 while the resolver picks protobuf 6.x for TensorFlow, and ``import gemma.gm.nn``
-then fails
-with ``VersionError: Detected incompatible Protobuf Gencode/Runtime versions``.)
-The files in this folder were made with gemma 4.0.1, jax/jaxlib 0.12.0.1, flax
-0.12.12.
+then fails with ``VersionError: Detected incompatible Protobuf Gencode/Runtime
+versions``.) The files in this folder were made with gemma 4.0.1, jax/jaxlib
+0.12.0.1, flax 0.12.12.
 
 Optional arguments: class names of ``gemma.gm.nn`` to record (default: all of
 ``MODELS``), e.g. ``... record_gemma.py Gemma3_1B``.
 
 Each output file ``gemma_<model>.json`` holds::
 
-  {"library": "gemma", "version": ..., "jax_version": ..., "model": <class
-  name>,
+  {"library": "gemma", "version": ..., "jax_version": ..., "model": <class name>,
    "created_by": "tests/trees/record_gemma.py",
    "leaves": [{"path": [...], "shape": [...], "dtype": ..., "names": ...}, ...]}
 
