@@ -29,9 +29,9 @@ give finite updates, the sharded updates and state equal the single-device ones
 too. Warnings (≥3-D leaves without dimension numbers, 1 × n matrices, ...) are
 expected on such trees and ignored; errors fail the test.
 
-Draw counts (``derandomize=True``: the same draws on every run, so a failure
-reproduces): the fast test 40, 16 of them compiled (about 11 s on 2 cores), the
-slow ones 110 more, 21 compiled (about 25 s), and 40 of ``dion``, 5 compiled
+Draw counts (a fixed seed: the same draws on every run, so a failure
+reproduces): the fast test 40, 19 of them compiled (about 13 s on 2 cores), the
+slow ones 110 more, 24 compiled (about 20 s), and 40 of ``dion``, 8 compiled
 (about 5 s); ``FOUND`` holds the failures the search found, run first as
 explicit examples. A deeper search draws fresh examples on each run, all
 compiled:
@@ -59,6 +59,7 @@ from hypothesis import (
     event,
     example,
     given,
+    seed,
     settings,
     strategies as st,
 )
@@ -165,11 +166,11 @@ PROFILES = {  # name: (fast draws, slow draws, Dion draws, derandomize)
 }
 #: The share of each test's draws compiled and run (fast, slow, Dion); the
 #: others are traced only (see ``check``). Hypothesis favours the first of the
-#: choices, so ``ci``'s derandomized draws compile 16 of 40 (and ``FOUND``), 21
-#: of 110 and 5 of 40: more than were compiled when every draw was (15, 20 and
-#: 4; ``--hypothesis-show-statistics`` counts them).
+#: choices, so ``ci``'s seeded draws (``_seeded``) compile 19 of 40 (and
+#: ``FOUND``), 24 of 110 and 8 of 40: more than were compiled when every draw
+#: was (15, 20 and 4; ``--hypothesis-show-statistics`` counts them).
 COMPILED = {
-    "ci": (0.4, 0.05, 0.05),
+    "ci": (0.2, 0.05, 0.05),
     "deep": (1.0, 1.0, 1.0),
 }
 _PROFILE = os.environ.get("OPTAX_MUON_HYPOTHESIS_PROFILE", "ci")
@@ -180,6 +181,12 @@ if _PROFILE not in PROFILES:
   )
 FAST_DRAWS, SLOW_DRAWS, DION_DRAWS, DERANDOMIZE = PROFILES[_PROFILE]
 FAST_COMPILED, SLOW_COMPILED, DION_COMPILED = COMPILED[_PROFILE]
+
+
+def _seeded(n: int):
+  """``ci``'s draws from a fixed seed: the same on every run, and the same after
+  an edit of the test's text (``derandomize`` alone seeds from it)."""
+  return seed(n) if DERANDOMIZE else lambda test: test
 
 
 def _settings(draws: int) -> settings:
@@ -861,6 +868,7 @@ def _found(test):
 @pytest.mark.filterwarnings(
     "ignore::UserWarning"
 )  # ≥3-D leaves without dimension numbers
+@_seeded(8)
 @_settings(FAST_DRAWS)
 @given(d=draws(FAST_COMPILED))
 @_found
@@ -870,6 +878,7 @@ def test_any_tree(d):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@_seeded(2)
 @_settings(SLOW_DRAWS)
 @given(d=draws(SLOW_COMPILED))
 def test_any_tree_more_draws(d):
@@ -878,6 +887,7 @@ def test_any_tree_more_draws(d):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@_seeded(6)
 @_settings(DION_DRAWS)
 @given(d=draws(DION_COMPILED), fraction=st.sampled_from((0.25, 0.5)))
 def test_any_tree_dion(d, fraction):
