@@ -25,9 +25,11 @@ import tempfile
 import optax.contrib
 
 MUON_SHIM = """\
-from optax.contrib._muon import *  # noqa: F403  (the test file's other names
-stay optax's) from optax.contrib._muon import _compute_muon_reshape,
-orthogonalize_via_newton_schulz  # noqa import optax_muon
+# The test file's other names stay optax's.
+from optax.contrib._muon import *  # noqa: F403
+from optax.contrib._muon import _compute_muon_reshape  # noqa: F401
+from optax.contrib._muon import orthogonalize_via_newton_schulz  # noqa: F401
+import optax_muon
 
 muon = optax_muon.muon
 scale_by_muon = optax_muon.scale_by_muon
