@@ -188,9 +188,9 @@ def format_table(
 
 def leaf_rows(
     params: Any, spec: TreeSpec
-) -> list[tuple[LeafSpec, LeafSummary]]:
-  """Each leaf's spec and its row's shared fields, in the order of
-  ``spec.leaves``."""
+) -> list[tuple[int, LeafSpec, LeafSummary]]:
+  """Each leaf's position in ``spec.leaves``, its spec and its row's shared
+  fields, in that order (placeholders have no row)."""
   options = spec.options
   positions, _ = tree_utils.flatten_positions(params)
   projections = (
@@ -200,7 +200,9 @@ def leaf_rows(
   )
   injected = options.consistent_rms == "injected"
   rows = []
-  for (_, leaf), leaf_spec, p in zip(positions, spec.leaves, projections):
+  for i, ((_, leaf), leaf_spec, p) in enumerate(
+      zip(positions, spec.leaves, projections)
+  ):
     if leaf_spec is None:
       continue
     r, layout = leaf_spec.route, leaf_spec.layout
@@ -222,6 +224,7 @@ def leaf_rows(
       )
     rows.append(
         (
+            i,
             leaf_spec,
             LeafSummary(
                 path=r.path,

@@ -138,9 +138,8 @@ class DionReport:
         profiles.mesh_devices(spec.mesh)
     )
     model = base.for_dtype(settings.product_dtype or np.float32)
-    positions = [i for i, leaf in enumerate(spec.leaves) if leaf is not None]
     rows, leaf_costs = [], []
-    for i, (leaf, row) in zip(positions, leaf_rows(params, spec)):
+    for i, leaf, row in leaf_rows(params, spec):
       fields = {}
       if i in matrices:
         itemsize = np.dtype(moment_dtype(leaf.dtype)).itemsize

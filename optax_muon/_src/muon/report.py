@@ -244,9 +244,7 @@ def muon_summary(params: Any, spec: MuonTreeSpec) -> MuonSummary:
   plan = spec.plan
   plan_index = {spec.muon_positions[k]: j for j, k in enumerate(spec.planned)}
   rows = []
-  for i, (leaf_spec, row) in zip(
-      _leaf_positions(spec), leaf_rows(params, spec)
-  ):
+  for i, leaf_spec, row in leaf_rows(params, spec):
     layout = leaf_spec.layout
     if layout is not None:
       m, n = layout.ns_shape
@@ -281,7 +279,3 @@ def muon_summary(params: Any, spec: MuonTreeSpec) -> MuonSummary:
       plan=plan,
       cost_model=spec.cost_model,
   )
-
-
-def _leaf_positions(spec: MuonTreeSpec) -> list[int]:
-  return [i for i, leaf in enumerate(spec.leaves) if leaf is not None]
