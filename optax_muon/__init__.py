@@ -14,9 +14,10 @@ Newton–Schulz: ``newton_schulz`` with the coefficient presets in
 ``msign``, its SVD reference.
 
 Routing (``Routing``, ``route``): embeddings, output heads, biases and vectors
-to AdamW; attention and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma, Flax,
-Equinox), your own ``LayoutRule``\\ s, or logical axis names
-(``infer_dimension_numbers``).
+to AdamW; attention, MoE and fused kernels read by ``KNOWN_LAYOUTS`` (Gemma,
+Flax, MaxText, Equinox), your own ``LayoutRule``\\ s, or logical axis names
+(``infer_dimension_numbers``); scanned layers by ``Routing.layer_stacks``
+(MaxText's by default) or your own ``LayerStack``\\ s.
 
 Tools: ``summarize`` shows where every leaf goes and what it costs there;
 ``diagnostics`` gives per-step scalars to log; ``qk_clip`` (MuonClip) caps
@@ -29,6 +30,7 @@ optimizers, the tools); only the names below are the public API.
 from optax_muon._src.core.layout_rules import (
     KNOWN_LAYOUTS,
     LOGICAL_AXIS_ROLES,
+    LayerStack,
     LayoutRule,
 )
 from optax_muon._src.core.matrices import MuonDimensionNumbers
@@ -60,6 +62,7 @@ __all__ = [
     "DionState",
     "KNOWN_LAYOUTS",
     "LOGICAL_AXIS_ROLES",
+    "LayerStack",
     "LayoutRule",
     "MuonDimensionNumbers",
     "MuonState",

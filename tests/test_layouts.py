@@ -21,6 +21,8 @@ import real_trees
 from real_trees import load, paths_and_leaves
 
 DN = om.MuonDimensionNumbers
+# optax.contrib.muon's Newton–Schulz, for updates compared with it.
+_CONTRIB_NS = dict(ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-8)
 GEMMA = [
     "gemma_Gemma2_2B",
     "gemma_Gemma3_270M",
@@ -349,20 +351,20 @@ def test_nnx_einsum_logical_names_from_variable_metadata():
   assert rows["bias"].optimizer == "adam"
 
 
-def test_logical_names_without_a_role_are_an_error_that_names_the_leaf():
-  params = {"w": jnp.zeros((8, 4, 2))}
-  with pytest.raises(
-      ValueError, match=r"w: logical axis names \['groups'\].*axis_roles"
-  ):
-    om.infer_dimension_numbers(
-        params, logical_names={"w": ("embed", "groups", "kv")}
-    )
+def test_logical_names_without_a_role_are_one_error_that_names_every_leaf():
+  params = {"v": jnp.zeros((8, 3)), "w": jnp.zeros((8, 4, 2))}
+  names = {"v": ("embed", "wide"), "w": ("embed", "groups", "kv")}
+  with pytest.raises(ValueError) as raised:
+    om.infer_dimension_numbers(params, logical_names=names)
+  message = str(raised.value)
+  assert "['groups', 'wide']" in message and "axis_roles" in message
+  assert "v (embed, wide)" in message and "w (embed, groups, kv)" in message
   dims = om.infer_dimension_numbers(
       params,
-      logical_names={"w": ("embed", "groups", "kv")},
-      axis_roles={"groups": "batch"},
+      logical_names=names,
+      axis_roles={"groups": "batch", "wide": "hidden"},
   )
-  assert _same_dims(dims["w"], DN(0, 2))
+  assert _same_dims(dims["w"], DN(0, 2)) and _same_dims(dims["v"], DN(0, 1))
 
 
 # Equinox
@@ -647,3 +649,112 @@ def test_a_leaf_named_b_is_a_bias_only_beside_a_kernel():
       "pair/a": "muon",
       "pair/b": "muon",
   }
+
+
+# Scanned layers
+# ----------------------------------------------------------------------------
+
+
+def _scanned_mlp():
+  """A linen MLP of 3 blocks under ``nn.scan`` (the layers first, its
+  default), and the (3, 16, 64) kernel of its first layer."""
+
+  class Block(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, _):
+      h = nn.Dense(64, name="up")(x)
+      return nn.Dense(16, name="down")(nn.gelu(h)) + x, None
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      scanned = nn.scan(
+          Block,
+          variable_axes={"params": 0},
+          split_rngs={"params": True},
+          length=3,
+      )
+      x, _ = scanned(name="blocks")(x, None)
+      return nn.LayerNorm(name="final_norm")(x)
+
+  return Model().init(jax.random.PRNGKey(0), jnp.ones((2, 16)))["params"]
+
+
+@requires_contrib_api
+def test_a_layer_stack_reads_nn_scan_layers_as_one_matrix_each():
+  params = _scanned_mlp()
+  assert params["blocks"]["up"]["kernel"].shape == (3, 16, 64)
+  with pytest.warns(UserWarning, match=r"blocks/up/kernel \(3×16×64\)"):
+    unstacked = {r.path: r for r in om.route(params)}
+  assert unstacked["blocks/up/kernel"].optimizer == "adam"
+  stack = om.LayerStack(r"^blocks/", 0, "nn.scan blocks")
+  routing = om.Routing(layer_stacks=(stack, *om.Routing().layer_stacks))
+  tx = om.muon(0.02, routing=routing, **_CONTRIB_NS)
+  rows = _rows(params, tx)
+  up, bias = rows["blocks/up/kernel"], rows["blocks/up/bias"]
+  assert (up.optimizer, up.batch, up.ns_matrix) == ("muon", 3, (16, 64))
+  assert up.reason == "a matrix per layer (nn.scan blocks)"
+  assert (
+      bias.optimizer == "adam" and rows["final_norm/scale"].optimizer == "adam"
+  )
+  # Each layer is its own matrix: the update equals optax.contrib's with the
+  # layers as a batch axis.
+  dims = jax.tree.map(
+      lambda x: optax.contrib.MuonDimensionNumbers(1, 2)
+      if x.ndim == 3
+      else None,
+      params,
+  )
+  theirs = optax.contrib.muon(
+      0.02, **_CONTRIB_NS, muon_weight_dimension_numbers=dims
+  )
+  grads = random_grads(params, 0)
+  ours_u = jax.jit(tx.update)(grads, tx.init(params), params)[0]
+  theirs_u = jax.jit(theirs.update)(grads, theirs.init(params), params)[0]
+  for (path, x), y in zip(
+      jax.tree_util.tree_leaves_with_path(ours_u), jax.tree.leaves(theirs_u)
+  ):
+    assert rel_err(x, y) < 1e-5, path
+
+
+def test_a_scope_whose_layer_counts_differ_is_not_read_as_stacked():
+  params = {
+      "decoder": {
+          "layers": {
+              "mlp": {"wi": {"kernel": jnp.zeros((16, 3, 64))}},
+              "other": {"kernel": jnp.zeros((16, 5, 64))},
+          }
+      }
+  }
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    routes = {r.path: r for r in om.route(params)}
+  messages = " ".join(str(w.message) for w in caught)
+  assert "'decoder/layers/'" in messages and "sizes 3, 5" in messages
+  assert routes["decoder/layers/mlp/wi/kernel"].reason.name == "UNDESCRIBED"
+
+
+def test_layer_stack_arguments_are_checked():
+  with pytest.raises(ValueError, match="LayerStack.pattern"):
+    om.LayerStack("(", 0, "x")
+  with pytest.raises(ValueError, match="LayerStack.axes"):
+    om.LayerStack("a", 1.0, "x")
+  with pytest.raises(ValueError, match="LayerStack.axes"):
+    om.LayerStack("a", (), "x")
+  with pytest.raises(ValueError, match="Routing.layer_stacks"):
+    om.Routing(layer_stacks=om.LayerStack("a", 0, "x"))
+
+
+def test_a_mesh_of_one_device_is_not_warned_about():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  mesh = jax.make_mesh(
+      (1, 1), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2
+  )
+  params = {"w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P()))}
+  tx = om.muon(0.02)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.update(params, tx.init(params), params)

@@ -163,6 +163,133 @@ def _check_letters(letters: Any, what: str) -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+  """Leaves that hold one slice per layer along one or more axes (scanned
+  layers).
+
+  ``nn.scan`` and MaxText's scanned decoders stack the params of equal layers
+  into one leaf with a layer axis: MaxText's scanned query kernel is (d_model,
+  layers, heads, head_dim) (``param_scan_axis=1``), ``nn.scan``'s default puts
+  the layers first, and a scan nested in a scan (Qwen3-Next's local layers in
+  MaxText) adds a second layer axis. Under a ``LayerStack`` the layer axes are
+  batch axes (each layer its own matrix), and the rest of the leaf is read as
+  if the layer were alone: a layout rule for the per-layer shape, the plain
+  2-D rule, or AdamW for a vector per layer (a stacked norm scale).
+
+  Attributes:
+    pattern: a regular expression searched in the leaf's path; the path up
+      to the end of the match is the scope (``"decoder/layers/"``). A scope
+      is read as stacked only if one of its leaves is a matrix per layer or
+      more (rank ≥ 2 without the layer axes), and all its leaves have the
+      same sizes along ``axes`` (the layer counts); a scope whose sizes
+      differ is read as unstacked, with a warning.
+    axes: the layer axis, or several (an int or a tuple of ints; negative
+      counts from the end).
+    name: what the stack describes, shown by ``summarize``.
+
+  Examples:
+    >>> import optax_muon
+    >>> stack = optax_muon.LayerStack(r"^blocks/", 0, "nn.scan over blocks")
+    >>> stack.per_layer_shape((12, 64, 256))
+    (64, 256)
+    >>> tuple(stack.lift(optax_muon.MuonDimensionNumbers(0, 1), 3))
+    ((1,), (2,))
+  """
+
+  pattern: str
+  axes: int | tuple[int, ...]
+  name: str
+
+  def __post_init__(self):
+    try:
+      re.compile(self.pattern)
+    except (re.error, TypeError) as e:
+      raise ValueError(
+          "LayerStack.pattern must be a regular expression, got "
+          f"{self.pattern!r} ({e})."
+      ) from None
+    axes = (self.axes,) if _is_int(self.axes) else self.axes
+    if (
+        not isinstance(axes, (tuple, list))
+        or not axes
+        or not all(_is_int(a) for a in axes)
+    ):
+      raise ValueError(
+          "LayerStack.axes must be an int or a non-empty tuple of ints, got"
+          f" {self.axes!r}."
+      )
+    object.__setattr__(self, "axes", tuple(axes))
+
+  def scope(self, path: str, ndim: int) -> str | None:
+    """The scope of the leaf at ``path`` of rank ``ndim`` (None: not under
+    this stack, or without its layer axes)."""
+    found = re.search(self.pattern, path)
+    if found is None or not all(-ndim <= a < ndim for a in self.axes):
+      return None
+    if len(self.layer_axes(ndim)) < len(self.axes):
+      return None
+    return path[: found.end()]
+
+  def layer_axes(self, ndim: int) -> tuple[int, ...]:
+    """The layer axes of a rank-``ndim`` leaf, counted from the start."""
+    return tuple(sorted({a % ndim for a in self.axes}))
+
+  def layer_sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The leaf's sizes along its layer axes."""
+    return tuple(shape[a] for a in self.layer_axes(len(shape)))
+
+  def per_layer_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` without its layer axes."""
+    layers = self.layer_axes(len(shape))
+    return tuple(n for a, n in enumerate(shape) if a not in layers)
+
+  def lift(self, dims: MuonDimensionNumbers, ndim: int) -> MuonDimensionNumbers:
+    """Dimension numbers of one layer (rank ``ndim`` minus the layer axes) as
+    dimension numbers of the stacked leaf (rank ``ndim``): the layer axes are
+    batch axes."""
+    layers = self.layer_axes(ndim)
+    kept = [a for a in range(ndim) if a not in layers]
+
+    def lifted(axes) -> tuple[int, ...]:
+      axes = (axes,) if isinstance(axes, int) else tuple(axes)
+      return tuple(kept[a % len(kept)] for a in axes)
+
+    return MuonDimensionNumbers(
+        lifted(dims.reduction_axis), lifted(dims.output_axis)
+    )
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: The scanned layers ``muon``'s default routing knows
+#: (``Routing.layer_stacks``): MaxText's scanned decoders, whose layer axis is
+#: axis 1 (``param_scan_axis=1``, MaxText's default): ``decoder/layers``,
+#: DeepSeek's ``decoder/dense_layers`` and ``decoder/moe_layers``, the scanned
+#: blocks of interleaved models (``decoder/layers/layers_0``), and Qwen3-Next's
+#: local layers, scanned inside each scanned block (axes 1 and 2).
+KNOWN_LAYER_STACKS: tuple[LayerStack, ...] = (
+    LayerStack(
+        r"(^|/)decoder/layers/local_layers/",
+        (1, 2),
+        "MaxText scanned layers, local layers scanned inside (axes 1, 2)",
+    ),
+    LayerStack(
+        r"(^|/)decoder/(layers|dense_layers|moe_layers)/(?!\d)",
+        1,
+        "MaxText scanned layers, axis 1",
+    ),
+)
+
+
+# The modules that hold MaxText's routed experts.
+_MAXTEXT_EXPERTS = (
+    r"(MoeBlock_\d+|moe_block|routed_experts|routed_moe|GptOssMlp)"
+)
+
+
 def _gemma_gating(shape: tuple[int, ...]) -> str:
   # (2, d_model, hidden) in Gemma 2, (2, hidden, d_model) in Gemma 3: the hidden
   # side is the wider one, and it is the output (gate and up projection).
@@ -179,8 +306,10 @@ def _equinox_conv(shape: tuple[int, ...]) -> str:
 
 #: The layouts ``muon``'s default routing knows (``Routing.layouts``): Gemma's
 #: einsum kernels (the ``gemma`` library), Flax's attention layers
-#: (``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``) and
-#: Equinox's layers (``Linear``, ``Conv``, ``Embedding``).
+#: (``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``),
+#: MaxText's attention, MLA and MoE kernels, and Equinox's layers (``Linear``,
+#: ``Conv``, ``Embedding``). Under a ``LayerStack`` a rule reads the shape of
+#: one layer.
 KNOWN_LAYOUTS: tuple[LayoutRule, ...] = (
     # Gemma: "BTD,NDH->BTNH" and friends (N heads, K kv heads, D d_model, H
     # head_dim).
@@ -218,6 +347,36 @@ KNOWN_LAYOUTS: tuple[LayoutRule, ...] = (
         "Iio",
         "Flax attention output (heads, head_dim, d_model)",
     ),
+    # MaxText: its DenseGeneral kernels read as Flax's (above); MLA's up
+    # projections, the routed experts (a batch of matrices), the router, and
+    # the leaves MaxText keeps element-wise.
+    LayoutRule(
+        r"(^|/)(wq_b|wkv_b)/kernel$",
+        "iOo",
+        "MaxText MLA up projection (rank, heads, head_dim)",
+    ),
+    LayoutRule(
+        rf"(^|/){_MAXTEXT_EXPERTS}/(wi|wi_0|wi_1|gate_up_proj)$",
+        "bio",
+        "MaxText experts in (experts, d_model, hidden)",
+    ),
+    LayoutRule(
+        rf"(^|/){_MAXTEXT_EXPERTS}/wo$",
+        "bio",
+        "MaxText experts out (experts, hidden, d_model)",
+    ),
+    LayoutRule(
+        rf"(^|/){_MAXTEXT_EXPERTS}/(gate|router)/kernel$",
+        "io",
+        "MaxText router (d_model, experts)",
+    ),
+    LayoutRule(
+        r"(^|/)(shared_expert_gate|conv1d)(/|$)"
+        r"|(^|/)(A_log|sinks|tid2eid|hc_base|(pre|post|res)_beta)$",
+        None,
+        "MaxText element-wise leaves (shared-expert gate, convolution,"
+        " state-space and attention-sink scalars)",
+    ),
     # Equinox: PyTorch's order, outputs first.
     LayoutRule(
         r"(^|/)weight$",
@@ -250,6 +409,13 @@ LOGICAL_AXIS_ROLES: Mapping[str, str] = {
         (
             "embed",
             "embed_no_exp",
+            "embed_attn",
+            "embed_moe",
+            "embed_router",
+            "embed_vocab",
+            "activation_embed",
+            "activation_embed_attn",
+            "activation_embed_moe",
             "d_model",
             "emb",
             "model",
@@ -258,7 +424,17 @@ LOGICAL_AXIS_ROLES: Mapping[str, str] = {
         ),
         "model",
     ),
-    **dict.fromkeys(("heads", "q_heads", "kv_heads", "num_heads"), "heads"),
+    **dict.fromkeys(
+        (
+            "heads",
+            "q_heads",
+            "kv_heads",
+            "num_heads",
+            "activation_heads",
+            "activation_kv_heads",
+        ),
+        "heads",
+    ),
     **dict.fromkeys(
         (
             "kv",
@@ -269,6 +445,8 @@ LOGICAL_AXIS_ROLES: Mapping[str, str] = {
             "qk_nope_head_dim",
             "qk_rope_head_dim",
             "joined_kv",
+            "activation_kv",
+            "activation_kv_head_dim",
         ),
         "head_dim",
     ),
@@ -276,6 +454,9 @@ LOGICAL_AXIS_ROLES: Mapping[str, str] = {
         (
             "mlp",
             "mlp_no_fsdp",
+            "mlp_moe",
+            "activation_mlp",
+            "activation_mlp_moe",
             "hidden",
             "ffn",
             "intermediate",
@@ -283,23 +464,36 @@ LOGICAL_AXIS_ROLES: Mapping[str, str] = {
             "kv_lora",
             "q_lora_up_proj",
             "kv_lora_up_proj",
+            "o_lora_up_proj",
+            "gdn_head",
+            "engram_dim",
+            "mhc",
         ),
         "hidden",
     ),
     **dict.fromkeys(
         (
             "layers",
+            "dense_layers",
+            "moe_layers",
+            "local_layers",
+            "layers_remainder",
+            "scanned_blocks",
+            "circular_repeats",
             "stage",
             "exp",
+            "exp_with_fsdp",
+            "activation_exp",
             "expert",
             "experts",
             "num_activations",
+            "o_groups",
             "qkv",
             "num_layers",
         ),
         "batch",
     ),
-    **dict.fromkeys(("vocab", "vocab_size"), "vocab"),
+    **dict.fromkeys(("vocab", "vocab_size", "activation_vocab"), "vocab"),
 }
 
 ROLES = ("model", "heads", "head_dim", "hidden", "batch", "vocab")
@@ -322,6 +516,23 @@ def check_axis_roles(axis_roles: Mapping[str, str] | None) -> dict[str, str]:
   return roles
 
 
+class UnknownAxisNames(ValueError):
+  """Logical axis names without a role (``from_logical_names``).
+
+  Attributes:
+    path: the leaf's path.
+    names: the leaf's names.
+    unknown: those without a role.
+  """
+
+  def __init__(self, path: str, names: tuple, unknown: list[str]):
+    self.path, self.names, self.unknown = path, names, unknown
+    super().__init__(
+        f"{path}: logical axis names {unknown} (of {names}) have no role; give"
+        f" them one with axis_roles={{name: role}}, role one of {ROLES}."
+    )
+
+
 def from_logical_names(
     path: str,
     names: Sequence[str | None],
@@ -336,11 +547,12 @@ def from_logical_names(
   ``head_dim`` axes, and the rest. The side holding the last matrix axis is the
   output (in ``x @ W`` layouts the features come last, also in Gemma's (heads,
   d_model, head_dim) query). With one side only, the last axis is the output and
-  the others the input.
+  the others the input. An unnamed axis (``None``, as MaxText names a router's
+  experts) is a matrix axis of the ``"hidden"`` role.
 
   Args:
     path: the leaf's path, for messages.
-    names: one logical name per axis.
+    names: one logical name (or None) per axis.
     shape: the leaf's shape.
     roles: name → role (``check_axis_roles``).
     heads: ``"whole"`` or ``"per_head"``.
@@ -350,21 +562,18 @@ def from_logical_names(
     embedding or output head) or fewer than two matrix axes.
 
   Raises:
-    ValueError: naming the leaf, for a name without a role or a count that does
-      not match the leaf's rank.
+    UnknownAxisNames: (a ValueError) naming the leaf, for names without a role.
+    ValueError: naming the leaf, for a count that does not match its rank.
   """
   names = tuple(names)
   if len(names) != len(shape):
     raise ValueError(
         f"{path}: logical names {names} do not match the leaf's shape {shape}."
     )
-  unknown = [n for n in names if n not in roles]
+  unknown = [n for n in names if n is not None and n not in roles]
   if unknown:
-    raise ValueError(
-        f"{path}: logical axis names {unknown} (of {names}) have no role; give "
-        f"them one with axis_roles={{name: role}}, role one of {ROLES}."
-    )
-  kinds = [roles[n] for n in names]
+    raise UnknownAxisNames(path, names, unknown)
+  kinds = ["hidden" if n is None else roles[n] for n in names]
   if "vocab" in kinds:
     return None
   batch = {"batch"} | ({"heads"} if heads == "per_head" else set())

@@ -19,19 +19,25 @@ import numpy as np
 
 from optax_muon._src.core import tree_utils
 from optax_muon._src.core.profiles import CostModel
-from optax_muon._src.core.layout_rules import HEADS, KNOWN_LAYOUTS, LayoutRule
+from optax_muon._src.core.layout_rules import (
+    HEADS,
+    KNOWN_LAYER_STACKS,
+    KNOWN_LAYOUTS,
+    LayerStack,
+    LayoutRule,
+)
 
 REPLICA_POLICIES = ("split", "redundant")
 EXCHANGES = ("combined", "per_shape")
 
 #: Leaves whose path matches this go to AdamW under the default routing:
 #: embeddings and output heads (any path component containing "embed", or named
-#: lm_head, wte, wpe, head), and norm scales however they are stacked (a
-#: component containing "norm", one named ln, ln1, ln_2, ln_f..., or a leaf
-#: named scale or ending in _scale, as ln_scale).
+#: lm_head, logits_dense (MaxText's), wte, wpe, head), and norm scales however
+#: they are stacked (a component containing "norm", one named ln, ln1, ln_2,
+#: ln_f..., or a leaf named scale or ending in _scale, as ln_scale).
 DEFAULT_ADAM_PATTERN = (
-    r"(?i)embed|norm|(^|/)(lm_head|wte|wpe|head|ln[_\d]*f?)(/|$)"
-    r"|(^|[/_])scale$"
+    r"(?i)embed|norm|(^|/)(lm_head|logits_dense|wte|wpe|head|ln[_\d]*f?)"
+    r"(/|$)|(^|[/_])scale$"
 )
 
 
@@ -164,11 +170,17 @@ class Routing:
       read as matrices; the first rule that matches a leaf applies.
       ``KNOWN_LAYOUTS`` (Gemma, Flax attention, Equinox) by default; put your
       own first: ``layouts=(LayoutRule(...), *optax_muon.KNOWN_LAYOUTS)``.
+    layer_stacks: the ``LayerStack``s that say which leaves hold a layer axis
+      (scanned layers) and where; the first that matches a leaf applies.
+      MaxText's scanned decoders (layer axis 1) by default; add your own:
+      ``layer_stacks=(LayerStack(r"^blocks/", 0, "my scan"),
+      *Routing().layer_stacks)``.
     heads: attention heads in a layout rule or logical names: ``"whole"``
       orthogonalizes the whole d_model × heads·head_dim projection (Moonlight,
       Kimi K2), ``"per_head"`` each head's own matrix.
 
-  With ``Routing(adam_pattern=None, biases=False, layouts=())`` every floating
+  With ``Routing(adam_pattern=None, biases=False, layouts=(),
+  layer_stacks=())`` every floating
   2-D leaf goes to Muon and every other leaf to AdamW, as in
   ``optax.contrib.muon``.
 
@@ -185,6 +197,7 @@ class Routing:
   adam_pattern: str | None = DEFAULT_ADAM_PATTERN
   biases: bool = True
   layouts: tuple[LayoutRule, ...] = KNOWN_LAYOUTS
+  layer_stacks: tuple[LayerStack, ...] = KNOWN_LAYER_STACKS
   heads: str = "whole"
 
   def __post_init__(self):
@@ -212,6 +225,14 @@ class Routing:
           f"{self.layouts!r}."
       )
     object.__setattr__(self, "layouts", tuple(self.layouts))
+    if isinstance(self.layer_stacks, LayerStack) or not all(
+        isinstance(r, LayerStack) for r in _iterable(self.layer_stacks)
+    ):
+      raise ValueError(
+          "Routing.layer_stacks must be a sequence of optax_muon.LayerStack,"
+          f" got {self.layer_stacks!r}."
+      )
+    object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))
     check_choice("Routing", "heads", self.heads, HEADS)
 
 

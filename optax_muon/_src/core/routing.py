@@ -20,6 +20,8 @@ from optax_muon._src.core.matrices import (
     portable_dimension_numbers,
 )
 from optax_muon._src.core.layout_rules import (
+    LayerStack,
+    UnknownAxisNames,
     check_axis_roles,
     from_logical_names,
 )
@@ -49,6 +51,8 @@ class Reason(enum.Enum):
   LAYOUT = "{detail}"
   LOGICAL_NAMES = "logical axis names {detail}"
   MATRIX = "2-D"
+  LAYER_MATRICES = "a matrix per layer ({detail})"
+  LAYER_VECTORS = "a vector per layer ({detail})"
   UNDESCRIBED = "{ndim}-D without dimension numbers"
   GIVEN_TO_SCALE_BY_MUON = "scale_by_muon"
 
@@ -287,25 +291,178 @@ def decide(
       else [()] * len(positions)
   )
   roles = check_axis_roles(axis_roles) if logical_names is not None else None
-  default = []
+  stacks, notices = _layer_stacks(paths, leaves, routing.layer_stacks)
+  default, unreadable, overruled = [], [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves)):
+    if leaf is None:
+      default.append(None)
+      continue
     names = None if logical_names is None else logical_names[i]
-    default.append(
-        None
-        if leaf is None
-        else _default_route(
-            path, leaf, pattern, routing, biases.get(i), owners[i], names, roles
-        )
-    )
+    layout = _layout_route(path, leaf, routing, owners[i], stacks[i])
+    try:
+      r, overrules_names = _default_route(
+          path, leaf, pattern, routing, biases.get(i), names, roles, layout
+      )
+    except UnknownAxisNames as e:
+      unreadable.append(e)
+      r, overrules_names = None, False
+    if overrules_names:
+      overruled.append((r, names))
+    default.append(r)
+  if unreadable:
+    raise ValueError(_unreadable_message(unreadable))
+  if overruled:
+    notices.append(_overruled_notice(overruled))
   if dims is None:
     undescribed = [
         (r.path, leaf)
         for r, leaf in zip(default, leaves)
         if r is not None and r.reason == Reason.UNDESCRIBED
     ]
-    notices = [_undescribed_notice(undescribed)] if undescribed else []
+    if undescribed:
+      notices.append(_undescribed_notice(undescribed))
     return Routed(tuple(default), tuple(notices))
-  return _with_dimension_numbers(default, dims, leaves)
+  routed = _with_dimension_numbers(default, dims, leaves)
+  return Routed(routed.routes, tuple(notices) + routed.notices)
+
+
+def _layer_stacks(
+    paths: list[str], leaves: list[Any], stacks: tuple[LayerStack, ...]
+) -> tuple[list[LayerStack | None], list[str]]:
+  """The ``LayerStack`` each leaf lies under (None: not stacked), and a warning
+  for the scopes whose leaves differ in size along the layer axes (read as
+  unstacked). A scope without a matrix per layer is not a stack."""
+  found: list[LayerStack | None] = [None] * len(paths)
+  scopes: dict[tuple[LayerStack, str], list[int]] = {}
+  for i, (path, leaf) in enumerate(zip(paths, leaves)):
+    if leaf is None or leaf.ndim < 2:
+      continue
+    for stack in stacks:
+      scope = stack.scope(path, leaf.ndim)
+      if scope is not None:
+        found[i] = stack
+        scopes.setdefault((stack, scope), []).append(i)
+        break
+  uneven = []
+  for (stack, scope), members in scopes.items():
+    if all(len(stack.per_layer_shape(leaves[i].shape)) < 2 for i in members):
+      # Nothing in the scope would be a matrix per layer: not a stack.
+      for i in members:
+        found[i] = None
+      continue
+    sizes = {stack.layer_sizes(leaves[i].shape) for i in members}
+    if len(sizes) > 1:
+      for i in members:
+        found[i] = None
+      listed = ", ".join("×".join(map(str, n)) for n in sorted(sizes))
+      uneven.append(f"'{scope}' ({stack.name}: sizes {listed})")
+  notices = []
+  if uneven:
+    notices.append(
+        "optax_muon: the leaves under "
+        f"{tree_utils.listing(uneven)} match a Routing.layer_stacks rule but"
+        " differ in size along its layer axis, so they are read as unstacked."
+        " Give Routing(layer_stacks=...) a LayerStack that fits your tree, or"
+        " layer_stacks=() to read no leaf as stacked."
+    )
+  return found, notices
+
+
+def _layout_route(
+    path: str,
+    leaf: Any,
+    routing: Routing,
+    owner: tuple[str, ...],
+    stack: LayerStack | None,
+) -> Route | None:
+  """The route a layout gives the leaf: under a layer stack, a
+  ``routing.layouts`` rule for one layer's shape, else a matrix or a vector
+  per layer; elsewhere a rule for the leaf's shape. None when neither
+  describes it."""
+  shape, ndim = tuple(leaf.shape), leaf.ndim
+  if stack is None:
+    for rule in routing.layouts:
+      if rule.matches(path, shape, owner):
+        dims = rule.dimension_numbers(shape, routing.heads)
+        return Route(
+            path,
+            ADAM if dims is None else MUON,
+            Reason.LAYOUT,
+            dims,
+            rule.name,
+            ndim,
+        )
+    return None
+  per_layer = stack.per_layer_shape(shape)
+  for rule in routing.layouts:
+    if rule.matches(path, per_layer, owner):
+      dims = rule.dimension_numbers(per_layer, routing.heads)
+      return Route(
+          path,
+          ADAM if dims is None else MUON,
+          Reason.LAYOUT,
+          None if dims is None else stack.lift(dims, ndim),
+          f"{rule.name}, per layer ({stack.name})",
+          ndim,
+      )
+  if len(per_layer) < 2:
+    return Route(path, ADAM, Reason.LAYER_VECTORS, detail=stack.name, ndim=ndim)
+  if len(per_layer) == 2:
+    return Route(
+        path,
+        MUON,
+        Reason.LAYER_MATRICES,
+        stack.lift(MuonDimensionNumbers(0, 1), ndim),
+        stack.name,
+        ndim,
+    )
+  return None
+
+
+def _matrix_of(route: Route) -> MuonDimensionNumbers | None:
+  """The dimension numbers a route gives its leaf (None: AdamW)."""
+  if route.optimizer == ADAM:
+    return None
+  return route.dimension_numbers or MuonDimensionNumbers(0, 1)
+
+
+def _axes_key(dims: Any, ndim: int) -> tuple | None:
+  """Dimension numbers as sorted non-negative axes, for comparison."""
+  if dims is None:
+    return None
+  sides = []
+  for axes in (dims.reduction_axis, dims.output_axis):
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    sides.append(tuple(sorted(a % ndim for a in axes)))
+  return tuple(sides)
+
+
+def _unreadable_message(errors: list[UnknownAxisNames]) -> str:
+  unknown = sorted({n for e in errors for n in e.unknown})
+  leaves = tree_utils.listing(
+      [f"{e.path} ({', '.join(map(str, e.names))})" for e in errors]
+  )
+  return (
+      f"optax_muon: logical axis names {unknown} have no role, on the leaves"
+      f" {leaves}. Give them one with axis_roles={{name: role}}, role one of"
+      " 'model', 'heads', 'head_dim', 'hidden', 'batch', 'vocab' (see"
+      " LOGICAL_AXIS_ROLES), or describe the leaves with a Routing(layouts=...)"
+      " rule."
+  )
+
+
+def _overruled_notice(items: list[tuple[Route, tuple]]) -> str:
+  listed = tree_utils.listing(
+      [f"{r.path} {names} read as {r.describe()}" for r, names in items]
+  )
+  return (
+      "optax_muon: the logical axis names of these leaves describe another"
+      " matrix than their layout does (names that say where an axis is"
+      " sharded, not what it is: MaxText's shard_exp_on_fsdp and"
+      f" use_2d_fsdp_sharding); the layout is used: {listed}. Pass"
+      " muon_weight_dimension_numbers or Routing(layouts=...) to choose"
+      " otherwise."
+  )
 
 
 def _default_route(
@@ -314,38 +471,47 @@ def _default_route(
     pattern: re.Pattern | None,
     routing: Routing,
     bias: str | None,
-    owner: tuple[str, ...],
     names: tuple | None,
     roles: Mapping[str, str] | None,
-) -> Route:
+    layout: Route | None,
+) -> tuple[Route, bool]:
+  """Rule 3 of ``route``, and whether the leaf's layout overruled its logical
+  names. A layout (``_layout_route``) wins over names; names describe the
+  leaves no layout does (names without a role, on a leaf a layout describes,
+  do not count). A layout that keeps a leaf element-wise is not overruled."""
   ndim = leaf.ndim
   if ndim < 2:
-    return Route(path, ADAM, Reason.FEWER_THAN_2_D, ndim=ndim)
+    return Route(path, ADAM, Reason.FEWER_THAN_2_D, ndim=ndim), False
   if bias is not None:
-    return Route(path, ADAM, Reason.BIAS, detail=bias, ndim=ndim)
+    return Route(path, ADAM, Reason.BIAS, detail=bias, ndim=ndim), False
   if pattern is not None and pattern.search(path):
-    return Route(path, ADAM, Reason.PATTERN, ndim=ndim)
-  shape = tuple(leaf.shape)
+    return Route(path, ADAM, Reason.PATTERN, ndim=ndim), False
+  if layout is not None and layout.optimizer == ADAM:
+    return layout, False
   if names is not None:
-    dims = from_logical_names(path, names, shape, roles, routing.heads)
-    detail = "(" + ", ".join(map(str, names)) + ")"
-    if dims is None:
-      return Route(path, ADAM, Reason.LOGICAL_NAMES, detail=detail, ndim=ndim)
-    return Route(path, MUON, Reason.LOGICAL_NAMES, dims, detail, ndim)
-  for rule in routing.layouts:
-    if rule.matches(path, shape, owner):
-      dims = rule.dimension_numbers(shape, routing.heads)
-      return Route(
-          path,
-          ADAM if dims is None else MUON,
-          Reason.LAYOUT,
-          dims,
-          rule.name,
-          ndim,
+    try:
+      dims = from_logical_names(
+          path, names, tuple(leaf.shape), roles, routing.heads
       )
+    except UnknownAxisNames:
+      if layout is None:
+        raise
+      return layout, False
+    if layout is None or _axes_key(dims, ndim) == _axes_key(
+        _matrix_of(layout), ndim
+    ):
+      detail = "(" + ", ".join(map(str, names)) + ")"
+      optimizer = ADAM if dims is None else MUON
+      return (
+          Route(path, optimizer, Reason.LOGICAL_NAMES, dims, detail, ndim),
+          False,
+      )
+    return layout, True
+  if layout is not None:
+    return layout, False
   if ndim == 2:
-    return Route(path, MUON, Reason.MATRIX, ndim=ndim)
-  return Route(path, ADAM, Reason.UNDESCRIBED, ndim=ndim)
+    return Route(path, MUON, Reason.MATRIX, ndim=ndim), False
+  return Route(path, ADAM, Reason.UNDESCRIBED, ndim=ndim), False
 
 
 def _with_dimension_numbers(

@@ -345,6 +345,7 @@ def _build(tree: Any, options: TreeOptions, manual: bool) -> TreeSpec:
           sharding is None
           and getattr(typed, "mesh", None) is not None
           and not typed.mesh.empty
+          and typed.mesh.size > 1
       ):
         unplanned.append(path)
     leaves.append(

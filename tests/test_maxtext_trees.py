@@ -1,0 +1,238 @@
+"""MaxText's own parameter trees (``tests/trees/maxtext_*.json``, recorded with
+MaxText itself by ``tests/trees/record_maxtext.py``), read by ``muon``'s
+default routing leaf by leaf as MaxText's own Muon dimension numbers
+(``muon_utils.get_muon_weight_dimension_numbers``) read them."""
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import normal, rel_err, requires_contrib_api
+from real_trees import TREES
+
+import optax_muon as om
+
+RECORDS = sorted(p.stem for p in TREES.glob("maxtext_*.json"))
+CONTRIB_NS = dict(ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-8)
+
+# Where ``muon`` reads a leaf otherwise than MaxText 0.2.5's muon_utils, and
+# why. Gemma 2's attention lives in ``self_attention_global`` and
+# ``self_attention_local``, which muon_utils' exact path-key test for
+# ``self_attention`` misses; its fallback, (0,) → (-1,), makes the heads batch
+# axes of the projections and reduces ``out`` over its heads with the head_dim
+# as a batch axis. ``muon`` reads them as MaxText reads the same kernels under
+# ``self_attention`` (Gemma 3, Llama): query/key/value (0,) → (-2, -1), out
+# (0, -2) → (-1,).
+MAXTEXT_ATTENTION = {"query": ((0,), (2, 3)), "key": ((0,), (2, 3))}
+MAXTEXT_ATTENTION |= {"value": ((0,), (2, 3)), "out": ((0, 2), (3,))}
+
+
+def _gemma2_attention(path: list[str]) -> tuple | None:
+  if len(path) >= 3 and path[-3] in (
+      "self_attention_global",
+      "self_attention_local",
+  ):
+    return MAXTEXT_ATTENTION[path[-2]]
+  return None
+
+
+DEVIATIONS = {"maxtext_gemma2_2b": _gemma2_attention}
+
+
+def _record(name: str) -> dict:
+  return json.loads((TREES / f"{name}.json").read_text())
+
+
+def _tree(record: dict, make) -> dict:
+  """The plain params tree of a record, ``make(leaf record)`` at each leaf."""
+  tree: dict = {}
+  for leaf in record["leaves"]:
+    node = tree
+    for key in leaf["path"][:-1]:
+      node = node.setdefault(key, {})
+    node[leaf["path"][-1]] = make(leaf)
+  return tree
+
+
+def _shapes(record: dict) -> dict:
+  return _tree(
+      record,
+      lambda l: jax.ShapeDtypeStruct(tuple(l["shape"]), jnp.dtype(l["dtype"])),
+  )
+
+
+def _axes(dims, ndim: int) -> tuple | None:
+  """Dimension numbers as sorted non-negative axes (None: AdamW)."""
+  if dims is None:
+    return None
+  sides = []
+  for axes in (dims[0], dims[1]):
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    sides.append(tuple(sorted(a % ndim for a in axes)))
+  return tuple(sides)
+
+
+def _expected_axes(name: str, leaf: dict) -> tuple | None:
+  """The matrix ``muon`` should read from the leaf (sorted non-negative axes;
+  None: AdamW): MaxText's own, but for the ``DEVIATIONS``."""
+  deviation = DEVIATIONS.get(name, lambda path: None)(leaf["path"])
+  if deviation is not None:
+    return deviation
+  dims = leaf["maxtext_dims"]
+  if dims is None:
+    return None
+  return _axes(
+      (dims["reduction_axis"], dims["output_axis"]), len(leaf["shape"])
+  )
+
+
+def _contrib_dims(name: str, record: dict):
+  """MaxText's dimension numbers as optax.contrib takes them (the
+  ``DEVIATIONS`` as ``muon`` reads them)."""
+
+  def dims(leaf):
+    axes = _expected_axes(name, leaf)
+    return None if axes is None else optax.contrib.MuonDimensionNumbers(*axes)
+
+  return _tree(record, dims)
+
+
+def test_the_deviations_are_where_maxtext_misses_its_own_rule():
+  """Each deviation replaces MaxText's fallback numbers, (0,) → (-1,), on a
+  kernel of rank 4 (the rank MaxText's attention rule is written for)."""
+  for name, deviation in DEVIATIONS.items():
+    record = _record(name)
+    hit = [l for l in record["leaves"] if deviation(l["path"]) is not None]
+    assert len(hit) == 8, name
+    for leaf in hit:
+      assert len(leaf["shape"]) == 4
+      assert leaf["maxtext_dims"] == {
+          "reduction_axis": [0],
+          "output_axis": [-1],
+      }
+
+
+def test_every_recorded_tree_is_maxtexts():
+  assert len(RECORDS) >= 6, RECORDS
+  for name in RECORDS:
+    record = _record(name)
+    assert record["library"] == "maxtext", name
+    assert record["leaves_count"] == len(record["leaves"]), name
+    on_muon = sum(l["maxtext_dims"] is not None for l in record["leaves"])
+    assert on_muon == record["maxtext_on_muon"] > 0, name
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_default_routing_reads_every_leaf_as_maxtext_does(name):
+  """On the plain tree, with no dimension numbers and no warning: the leaves
+  MaxText puts on Muon go to Muon as the same matrices, the others
+  (embeddings, the output head, stacked norm scales) to AdamW."""
+  record = _record(name)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    routes = {r.path: r for r in om.route(_shapes(record)) if r is not None}
+  wrong = []
+  for leaf in record["leaves"]:
+    r = routes["/".join(leaf["path"])]
+    ours = None
+    if r.optimizer == "muon":
+      ours = _axes(r.dimension_numbers or (0, 1), len(leaf["shape"]))
+    if ours != _expected_axes(name, leaf):
+      wrong.append((r.path, leaf["shape"], ours, _expected_axes(name, leaf)))
+  assert not wrong, wrong
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_logical_names_give_maxtexts_matrices(name):
+  """``infer_dimension_numbers`` with the names MaxText boxes its params with,
+  no ``axis_roles``: MaxText's matrices; where the names say where an axis is
+  sharded rather than what it is, the layout wins and a warning names the
+  leaves."""
+  record = _record(name)
+  names = _tree(
+      record, lambda l: None if l["names"] is None else tuple(l["names"])
+  )
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dims = om.infer_dimension_numbers(_shapes(record), logical_names=names)
+  flat = dict(
+      ("/".join(str(k.key) for k in p), d)
+      for p, d in jax.tree_util.tree_flatten_with_path(
+          dims, is_leaf=lambda x: x is None or hasattr(x, "reduction_axis")
+      )[0]
+  )
+  wrong = [
+      ("/".join(l["path"]), l["names"])
+      for l in record["leaves"]
+      if _axes(flat["/".join(l["path"])], len(l["shape"]))
+      != _expected_axes(name, l)
+  ]
+  assert not wrong, wrong
+  messages = [str(w.message) for w in caught]
+  for message in messages:
+    assert "describe another matrix than their layout" in message, message
+  if messages:
+    assert record["overrides"].get("shard_exp_on_fsdp") or record[
+        "overrides"
+    ].get("use_2d_fsdp_sharding"), messages
+
+
+def _values(shape: list[int], seed: int) -> jax.Array:
+  """Values that depend on the shape alone: leaves of one shape and one matrix
+  get the same update from optax.contrib.muon."""
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), hash(tuple(shape)) % 2**31)
+  return normal(key, tuple(shape), jnp.float32)
+
+
+@pytest.mark.slow
+@requires_contrib_api
+def test_update_equals_optax_contrib_with_maxtexts_numbers():
+  """``muon`` with its default routing on every recorded tree at once, against
+  ``optax.contrib.muon`` given MaxText's dimension numbers (the call MaxText
+  makes): every leaf's update within 1e-5 (float32), Muon and AdamW leaves
+  alike. Params and gradients depend on a leaf's shape only, so contrib runs
+  once per distinct (shape, matrix), on a tree of those."""
+  records = {name: _record(name) for name in RECORDS}
+  params = {
+      name: _tree(record, lambda l: _values(l["shape"], 0))
+      for name, record in records.items()
+  }
+  grads = {
+      name: _tree(record, lambda l: _values(l["shape"], 1))
+      for name, record in records.items()
+  }
+  classes = {
+      (tuple(l["shape"]), _expected_axes(name, l)): None
+      for name, record in records.items()
+      for l in record["leaves"]
+  }
+  keys = {c: f"leaf_{i}" for i, c in enumerate(classes)}
+  contrib_dims = {
+      keys[c]: None
+      if c[1] is None
+      else optax.contrib.MuonDimensionNumbers(*c[1])
+      for c in classes
+  }
+  contrib_params = {keys[c]: _values(list(c[0]), 0) for c in classes}
+  contrib_grads = {keys[c]: _values(list(c[0]), 1) for c in classes}
+  theirs = optax.contrib.muon(
+      0.02, **CONTRIB_NS, muon_weight_dimension_numbers=contrib_dims
+  )
+  reference = jax.jit(theirs.update)(
+      contrib_grads, theirs.init(contrib_params), contrib_params
+  )[0]
+  ours = om.muon(0.02, **CONTRIB_NS)
+  updates = jax.jit(ours.update)(grads, ours.init(params), params)[0]
+  far = []
+  for name, record in records.items():
+    for leaf in record["leaves"]:
+      x = updates[name]
+      for key in leaf["path"]:
+        x = x[key]
+      y = reference[keys[(tuple(leaf["shape"]), _expected_axes(name, leaf))]]
+      if rel_err(x, y) >= 1e-5:
+        far.append((name, "/".join(leaf["path"]), rel_err(x, y)))
+  assert not far, far
