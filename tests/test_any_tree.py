@@ -581,7 +581,9 @@ def _tx(d: Draw, param_shardings=None, dion_fraction=None):
   routing = {
       "default": None,
       "per_head": om.Routing(heads="per_head"),
-      "optax": om.Routing(adam_pattern=None, biases=False, layouts=()),
+      "optax": om.Routing(
+          adam_pattern=None, biases=False, layouts=(), layer_stacks=()
+      ),
   }[d.routing]
   given = lambda v: v.function() if isinstance(v, AsCallable) else v  # noqa: E731
   options = {k: given(v) for k, v in d.options}

@@ -117,7 +117,9 @@ def _nnx_mlp():
   def loss(p, x):
     return jnp.mean((nnx.merge(graphdef, p)(x) - jnp.sin(x)) ** 2)
 
-  every_2d = om.Routing(adam_pattern=None, biases=False, layouts=())
+  every_2d = om.Routing(
+      adam_pattern=None, biases=False, layouts=(), layer_stacks=()
+  )
   return params, loss, xs, {}, {"routing": every_2d, **_SAME_NS}
 
 

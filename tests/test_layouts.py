@@ -2,6 +2,7 @@
 and logical axis names, Equinox's layers; heads whole or per head, the shape
 factor of the matrix that is orthogonalized."""
 
+import json
 import math
 import re
 import warnings
@@ -513,6 +514,20 @@ def test_trees_without_matrices_update():
 # ----------------------------------------------------------------------------
 
 
+def _maxtext_shapes(name: str) -> dict:
+  """A recorded MaxText tree (``tests/trees/maxtext_*.json``) as shapes."""
+  record = json.loads((real_trees.TREES / f"{name}.json").read_text())
+  tree: dict = {}
+  for leaf in record["leaves"]:
+    node = tree
+    for key in leaf["path"][:-1]:
+      node = node.setdefault(key, {})
+    node[leaf["path"][-1]] = jax.ShapeDtypeStruct(
+        tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
+    )
+  return tree
+
+
 def _table_trees():
   """The trees of docs/layouts.md's table: model name prefix → (params, muon
   kwargs per heads setting)."""
@@ -533,6 +548,18 @@ def _table_trees():
       "Flax `nn.": (real_trees.flax_linen_attention(), no_kwargs),
       "Flax `nnx.": (
           nnx.state(real_trees.flax_nnx_attention(), nnx.Param),
+          no_kwargs,
+      ),
+      "MaxText 0.2.5 llama3-8b": (
+          _maxtext_shapes("maxtext_llama3_8b_scanned"),
+          no_kwargs,
+      ),
+      "MaxText 0.2.5 deepseek3-tiny": (
+          _maxtext_shapes("maxtext_deepseek3_tiny"),
+          no_kwargs,
+      ),
+      "MaxText 0.2.5 qwen3-next": (
+          _maxtext_shapes("maxtext_qwen3_next_80b_a3b"),
           no_kwargs,
       ),
       "MaxText": (nn.unbox(boxed), maxtext),

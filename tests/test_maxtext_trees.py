@@ -4,6 +4,8 @@ default routing leaf by leaf as MaxText's own Muon dimension numbers
 (``muon_utils.get_muon_weight_dimension_numbers``) read them."""
 
 import json
+import math
+import re
 import warnings
 
 import jax
@@ -14,6 +16,7 @@ from helpers import normal, rel_err, requires_contrib_api
 from real_trees import TREES
 
 import optax_muon as om
+from optax_muon._src.core import routing, tree_utils
 
 RECORDS = sorted(p.stem for p in TREES.glob("maxtext_*.json"))
 CONTRIB_NS = dict(ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-8)
@@ -147,17 +150,21 @@ def test_default_routing_reads_every_leaf_as_maxtext_does(name):
 
 @pytest.mark.parametrize("name", RECORDS)
 def test_logical_names_give_maxtexts_matrices(name):
-  """``infer_dimension_numbers`` with the names MaxText boxes its params with,
-  no ``axis_roles``: MaxText's matrices; where the names say where an axis is
-  sharded rather than what it is, the layout wins and a warning names the
-  leaves."""
+  """The documented path, ``infer_dimension_numbers`` with the names MaxText
+  boxes its params with (no ``axis_roles``) and then ``muon`` with its result:
+  MaxText's matrices and no warning. Where the names say where an axis is
+  sharded rather than what it is (``shard_exp_on_fsdp``,
+  ``use_2d_fsdp_sharding``), the layout wins and the route says so."""
   record = _record(name)
+  shapes = _shapes(record)
   names = _tree(
       record, lambda l: None if l["names"] is None else tuple(l["names"])
   )
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    dims = om.infer_dimension_numbers(_shapes(record), logical_names=names)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    dims = om.infer_dimension_numbers(shapes, logical_names=names)
+    tx = om.muon(0.02, muon_weight_dimension_numbers=dims)
+    jax.eval_shape(tx.init, shapes)
   flat = dict(
       ("/".join(str(k.key) for k in p), d)
       for p, d in jax.tree_util.tree_flatten_with_path(
@@ -171,13 +178,32 @@ def test_logical_names_give_maxtexts_matrices(name):
       != _expected_axes(name, l)
   ]
   assert not wrong, wrong
-  messages = [str(w.message) for w in caught]
-  for message in messages:
-    assert "describe another matrix than their layout" in message, message
-  if messages:
-    assert record["overrides"].get("shard_exp_on_fsdp") or record[
-        "overrides"
-    ].get("use_2d_fsdp_sharding"), messages
+  by_path = {"/".join(l["path"]): l["names"] for l in record["leaves"]}
+  positions, _ = tree_utils.flatten_positions(shapes)
+  routes = routing.decide(
+      shapes,
+      om.Routing(),
+      None,
+      logical_names=[
+          None
+          if by_path[tree_utils.path_str(p)] is None
+          else tuple(by_path[tree_utils.path_str(p)])
+          for p, _ in positions
+      ],
+  ).routes
+  overruled = sorted(r.path for r in routes if "read otherwise" in r.describe())
+  sharding_labels = record["overrides"].get("shard_exp_on_fsdp") or record[
+      "overrides"
+  ].get("use_2d_fsdp_sharding")
+  if sharding_labels:
+    experts = [
+        "/".join(l["path"])
+        for l in record["leaves"]
+        if l["path"][-1] in ("wi_0", "wi_1", "wo")
+    ]
+    assert overruled == sorted(experts) and experts, overruled
+  else:
+    assert not overruled, overruled
 
 
 def _values(shape: list[int], seed: int) -> jax.Array:
@@ -236,3 +262,82 @@ def test_update_equals_optax_contrib_with_maxtexts_numbers():
       if rel_err(x, y) >= 1e-5:
         far.append((name, "/".join(leaf["path"]), rel_err(x, y)))
   assert not far, far
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_maxtexts_own_numbers_are_taken_without_a_warning(name):
+  """``muon(..., muon_weight_dimension_numbers=<MaxText's>)``, the line MaxText
+  writes today with this package's ``muon`` in it: every leaf where MaxText's
+  numbers put it, and nothing to warn about."""
+  record = _record(name)
+  theirs = _tree(
+      record,
+      lambda l: None
+      if l["maxtext_dims"] is None
+      else optax.contrib.MuonDimensionNumbers(
+          tuple(l["maxtext_dims"]["reduction_axis"]),
+          tuple(l["maxtext_dims"]["output_axis"]),
+      ),
+  )
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    routes = {
+        r.path: r
+        for r in om.route(_shapes(record), weight_dimension_numbers=theirs)
+    }
+  for leaf in record["leaves"]:
+    r = routes["/".join(leaf["path"])]
+    dims = leaf["maxtext_dims"]
+    assert (r.optimizer == "muon") == (dims is not None), r.path
+    if dims is not None:
+      assert r.dimension_numbers.reduction_axis == tuple(dims["reduction_axis"])
+      assert r.dimension_numbers.output_axis == tuple(dims["output_axis"])
+
+
+def _ints(text: str) -> list[int]:
+  return [int(a) for a in text.split(",") if a.strip()]
+
+
+def test_the_maxtext_page_table_is_the_record_and_what_muon_does():
+  """docs/maxtext.md's leaf-by-leaf table of deepseek3-tiny: MaxText's column
+  is the record's numbers, the last column ``summarize``'s rows for
+  ``muon(0.02)``, every leaf of the tree listed."""
+  page = (TREES.parents[1] / "docs" / "maxtext.md").read_text()
+  section = page.split("## One model leaf by leaf")[1]
+  lines = [l for l in section.splitlines() if l.startswith("| `")]
+  record = _record("maxtext_deepseek3_tiny")
+  leaves = {"/".join(l["path"]): l for l in record["leaves"]}
+  shapes = _shapes(record)
+  rows = {r.path: r for r in om.summarize(shapes, om.muon(0.02)).rows}
+  routes = {r.path: r for r in om.route(shapes)}
+  assert sorted(l.split("`")[1] for l in lines) == sorted(leaves)
+  for line in lines:
+    path, shape, maxtext, ours = [c.strip() for c in line.strip("|").split("|")]
+    path = path.strip("`")
+    leaf, row = leaves[path], rows[path]
+    assert shape == "×".join(map(str, leaf["shape"])), path
+    if leaf["maxtext_dims"] is None:
+      assert maxtext == "None", path
+    else:
+      red, out = re.fullmatch(
+          r"\(([-\d, ]+),?\) → \(([-\d, ]+),?\)", maxtext
+      ).groups()
+      assert _ints(red) == leaf["maxtext_dims"]["reduction_axis"], path
+      assert _ints(out) == leaf["maxtext_dims"]["output_axis"], path
+    if ours.startswith("AdamW"):
+      assert row.optimizer == "adam" and row.reason in ours, path
+      continue
+    batch, n_in, n_out, scale = re.fullmatch(
+        r"(\d+) × (\d+)→(\d+), scale ([\d.]+)", ours
+    ).groups()
+    dims = routes[path].dimension_numbers
+    n_in_of, n_out_of = (
+        math.prod(leaf["shape"][a] for a in axes)
+        for axes in (dims.reduction_axis, dims.output_axis)
+    )
+    assert (row.batch, n_in_of, n_out_of) == (
+        int(batch),
+        int(n_in),
+        int(n_out),
+    ), path
+    assert f"{row.scale:.3g}" == scale, path

@@ -168,8 +168,9 @@ class Routing:
       head_dim) biases of Flax's attention).
     layouts: the ``LayoutRule``s that say how ≥3-D (and Equinox's) kernels are
       read as matrices; the first rule that matches a leaf applies.
-      ``KNOWN_LAYOUTS`` (Gemma, Flax attention, Equinox) by default; put your
-      own first: ``layouts=(LayoutRule(...), *optax_muon.KNOWN_LAYOUTS)``.
+      ``KNOWN_LAYOUTS`` (Gemma, Flax attention, MaxText, Equinox) by default;
+      put your own first: ``layouts=(LayoutRule(...),
+      *optax_muon.KNOWN_LAYOUTS)``.
     layer_stacks: the ``LayerStack``s that say which leaves hold a layer axis
       (scanned layers) and where; the first that matches a leaf applies.
       MaxText's scanned decoders (layer axis 1) by default; add your own:
@@ -180,9 +181,8 @@ class Routing:
       Kimi K2), ``"per_head"`` each head's own matrix.
 
   With ``Routing(adam_pattern=None, biases=False, layouts=(),
-  layer_stacks=())`` every floating
-  2-D leaf goes to Muon and every other leaf to AdamW, as in
-  ``optax.contrib.muon``.
+  layer_stacks=())`` every floating 2-D leaf goes to Muon and every other leaf
+  to AdamW, as in ``optax.contrib.muon``.
 
   Examples:
     >>> import optax_muon

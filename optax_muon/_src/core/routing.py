@@ -195,9 +195,12 @@ def route(
        rule would put on Muon).
     3. Default, for floating-point leaves: 0-D and 1-D leaves and biases go to
        AdamW, and leaves whose path matches ``routing.adam_pattern``
-       (embeddings, output heads); a leaf a ``routing.layouts`` rule describes
-       goes where the rule says; other 2-D leaves go to Muon; other leaves of
-       rank ≥ 3 go to AdamW, with a warning that says how to describe them.
+       (embeddings, output heads); under a ``routing.layer_stacks`` scope
+       (scanned layers) the layer axes are batch axes and the rest reads as
+       one layer (a layout rule, else a matrix or a vector per layer); a leaf
+       a ``routing.layouts`` rule describes goes where the rule says; other
+       2-D leaves go to Muon; other leaves of rank ≥ 3 go to AdamW, with a
+       warning that says how to describe them.
 
   Args:
     params: the params tree (arrays or ``jax.ShapeDtypeStruct`` objects).
@@ -292,7 +295,7 @@ def decide(
   )
   roles = check_axis_roles(axis_roles) if logical_names is not None else None
   stacks, notices = _layer_stacks(paths, leaves, routing.layer_stacks)
-  default, unreadable, overruled = [], [], []
+  default, unreadable = [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves)):
     if leaf is None:
       default.append(None)
@@ -300,19 +303,15 @@ def decide(
     names = None if logical_names is None else logical_names[i]
     layout = _layout_route(path, leaf, routing, owners[i], stacks[i])
     try:
-      r, overrules_names = _default_route(
+      r = _default_route(
           path, leaf, pattern, routing, biases.get(i), names, roles, layout
       )
     except UnknownAxisNames as e:
       unreadable.append(e)
-      r, overrules_names = None, False
-    if overrules_names:
-      overruled.append((r, names))
+      r = None
     default.append(r)
   if unreadable:
     raise ValueError(_unreadable_message(unreadable))
-  if overruled:
-    notices.append(_overruled_notice(overruled))
   if dims is None:
     undescribed = [
         (r.path, leaf)
@@ -451,20 +450,6 @@ def _unreadable_message(errors: list[UnknownAxisNames]) -> str:
   )
 
 
-def _overruled_notice(items: list[tuple[Route, tuple]]) -> str:
-  listed = tree_utils.listing(
-      [f"{r.path} {names} read as {r.describe()}" for r, names in items]
-  )
-  return (
-      "optax_muon: the logical axis names of these leaves describe another"
-      " matrix than their layout does (names that say where an axis is"
-      " sharded, not what it is: MaxText's shard_exp_on_fsdp and"
-      f" use_2d_fsdp_sharding); the layout is used: {listed}. Pass"
-      " muon_weight_dimension_numbers or Routing(layouts=...) to choose"
-      " otherwise."
-  )
-
-
 def _default_route(
     path: str,
     leaf: Any,
@@ -474,20 +459,22 @@ def _default_route(
     names: tuple | None,
     roles: Mapping[str, str] | None,
     layout: Route | None,
-) -> tuple[Route, bool]:
-  """Rule 3 of ``route``, and whether the leaf's layout overruled its logical
-  names. A layout (``_layout_route``) wins over names; names describe the
-  leaves no layout does (names without a role, on a leaf a layout describes,
-  do not count). A layout that keeps a leaf element-wise is not overruled."""
+) -> Route:
+  """Rule 3 of ``route``. A layout (``_layout_route``) wins over logical names:
+  names can say where an axis is sharded rather than what it is (MaxText's
+  ``shard_exp_on_fsdp`` names the experts of a kernel ``embed_moe``), and the
+  route then says that its names read otherwise. Names describe the leaves
+  no layout does; names without a role, on a leaf a layout describes, do not
+  count."""
   ndim = leaf.ndim
   if ndim < 2:
-    return Route(path, ADAM, Reason.FEWER_THAN_2_D, ndim=ndim), False
+    return Route(path, ADAM, Reason.FEWER_THAN_2_D, ndim=ndim)
   if bias is not None:
-    return Route(path, ADAM, Reason.BIAS, detail=bias, ndim=ndim), False
+    return Route(path, ADAM, Reason.BIAS, detail=bias, ndim=ndim)
   if pattern is not None and pattern.search(path):
-    return Route(path, ADAM, Reason.PATTERN, ndim=ndim), False
+    return Route(path, ADAM, Reason.PATTERN, ndim=ndim)
   if layout is not None and layout.optimizer == ADAM:
-    return layout, False
+    return layout
   if names is not None:
     try:
       dims = from_logical_names(
@@ -496,22 +483,22 @@ def _default_route(
     except UnknownAxisNames:
       if layout is None:
         raise
-      return layout, False
-    if layout is None or _axes_key(dims, ndim) == _axes_key(
+      return layout
+    listed = "(" + ", ".join(map(str, names)) + ")"
+    if layout is not None and _axes_key(dims, ndim) != _axes_key(
         _matrix_of(layout), ndim
     ):
-      detail = "(" + ", ".join(map(str, names)) + ")"
-      optimizer = ADAM if dims is None else MUON
-      return (
-          Route(path, optimizer, Reason.LOGICAL_NAMES, dims, detail, ndim),
-          False,
+      return dataclasses.replace(
+          layout,
+          detail=f"{layout.detail}; its logical names {listed} read otherwise",
       )
-    return layout, True
+    optimizer = ADAM if dims is None else MUON
+    return Route(path, optimizer, Reason.LOGICAL_NAMES, dims, listed, ndim)
   if layout is not None:
-    return layout, False
+    return layout
   if ndim == 2:
-    return Route(path, MUON, Reason.MATRIX, ndim=ndim), False
-  return Route(path, ADAM, Reason.UNDESCRIBED, ndim=ndim), False
+    return Route(path, MUON, Reason.MATRIX, ndim=ndim)
+  return Route(path, ADAM, Reason.UNDESCRIBED, ndim=ndim)
 
 
 def _with_dimension_numbers(
@@ -624,18 +611,22 @@ def infer_dimension_numbers(
   The result works as ``muon_weight_dimension_numbers`` for ``muon`` and for
   ``optax.contrib.muon`` (``MuonDimensionNumbers`` for each Muon leaf, 2-D ones
   included; ``None`` for each AdamW leaf), and shows how each leaf is read.
-  Leaves are described by, first that applies: their logical axis names (carried
-  by linen's ``nn.with_logical_partitioning`` boxes or ``nnx.Variable`` sharding
-  metadata in ``params``, or given as ``logical_names``), a ``routing.layouts``
-  rule (``KNOWN_LAYOUTS``: Gemma, Flax attention, Equinox), or the plain 2-D
-  rule. Biases, vectors and embeddings (``routing.adam_pattern``, a ``vocab``
-  axis) get None.
+  Leaves are described by, first that applies: a layout (a
+  ``routing.layer_stacks`` scope, a ``routing.layouts`` rule: ``KNOWN_LAYOUTS``
+  for Gemma, Flax attention, MaxText, Equinox), their logical axis names
+  (carried by linen's ``nn.with_logical_partitioning`` boxes or
+  ``nnx.Variable`` sharding metadata in ``params``, or given as
+  ``logical_names``), or the plain 2-D rule. Where names and a layout read a
+  leaf differently, the layout wins (names can say where an axis is sharded,
+  not what it is) and ``summarize`` says so. Biases, vectors and embeddings
+  (``routing.adam_pattern``, a ``vocab`` axis) get None.
 
   Args:
     params: the params: arrays or ``jax.ShapeDtypeStruct`` objects, linen's
       boxed params or an ``nnx.State`` (their names are read).
     routing: ``heads`` (``"whole"`` or ``"per_head"``), ``layouts``,
-      ``adam_pattern`` and ``biases`` as in ``muon``; ``None`` is ``Routing()``.
+      ``layer_stacks``, ``adam_pattern`` and ``biases`` as in ``muon``;
+      ``None`` is ``Routing()``.
     logical_names: one tuple of logical axis names per leaf (a tree or prefix
       tree of tuples or ``PartitionSpec``s, e.g.
       ``nn.get_partition_spec(boxed_params)``), for params that don't carry
