@@ -19,6 +19,10 @@ import optax_muon as om
 from optax_muon._src.core import routing, tree_utils
 
 RECORDS = sorted(p.stem for p in TREES.glob("maxtext_*.json"))
+# The type MaxText's numbers come in (optax.contrib's; optax < 0.2.6 has none).
+CONTRIB_DN = getattr(
+    optax.contrib, "MuonDimensionNumbers", om.MuonDimensionNumbers
+)
 CONTRIB_NS = dict(ns_coeffs=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-8)
 
 # Where ``muon`` reads a leaf otherwise than MaxText 0.2.5's muon_utils, and
@@ -274,7 +278,7 @@ def test_maxtexts_own_numbers_are_taken_without_a_warning(name):
       record,
       lambda l: None
       if l["maxtext_dims"] is None
-      else optax.contrib.MuonDimensionNumbers(
+      else CONTRIB_DN(
           tuple(l["maxtext_dims"]["reduction_axis"]),
           tuple(l["maxtext_dims"]["output_axis"]),
       ),

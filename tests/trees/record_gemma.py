@@ -47,26 +47,13 @@ import json
 import pathlib
 import sys
 
+from key_paths import key_str
+
 # Class names in `gemma.gm.nn` (gemma 4.0.1), each built with its default
 # constructor.
 MODELS = ("Gemma2_2B", "Gemma3_270M", "Gemma3_1B", "Gemma3_4B")
 
 OUT_DIR = pathlib.Path(__file__).resolve().parent
-
-
-def _key_str(k):
-  """One entry of a jax.tree_util key path, as a string."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  if isinstance(k, jax.tree_util.DictKey):
-    return str(k.key)
-  if isinstance(k, jax.tree_util.GetAttrKey):
-    return str(k.name)
-  if isinstance(k, jax.tree_util.SequenceKey):
-    return str(k.idx)
-  if isinstance(k, jax.tree_util.FlattenedIndexKey):
-    return str(k.key)
-  return str(k)
 
 
 def _leaf_names(leaf):
@@ -113,7 +100,7 @@ def record(model_name):
     value = leaf.unbox() if is_box(leaf) else leaf
     leaves.append(
         {
-            "path": [_key_str(k) for k in path],
+            "path": [key_str(k) for k in path],
             "shape": list(value.shape),
             "dtype": str(value.dtype),
             "names": _leaf_names(leaf),

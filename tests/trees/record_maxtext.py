@@ -91,6 +91,8 @@ import os
 import pathlib
 import sys
 
+from key_paths import by_path
+
 OUT_DIR = pathlib.Path(__file__).resolve().parent
 
 # Passed to every recording: let overrides replace the model yml's values, use
@@ -273,21 +275,6 @@ RECORDINGS = {
 }
 
 
-def _key_str(k):
-  """One entry of a jax.tree_util key path, as a string."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  if isinstance(k, jax.tree_util.DictKey):
-    return str(k.key)
-  if isinstance(k, jax.tree_util.GetAttrKey):
-    return str(k.name)
-  if isinstance(k, jax.tree_util.SequenceKey):
-    return str(k.idx)
-  if isinstance(k, jax.tree_util.FlattenedIndexKey):
-    return str(k.key)
-  return str(k)
-
-
 def _name_list(names):
   return [
       None if n is None else (list(n) if isinstance(n, tuple) else str(n))
@@ -355,7 +342,6 @@ def _mesh(config):
 def _nnx_leaves(config):
   """Leaves of the NNX model's plain param State, with names and dims."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
   from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
   from maxtext.utils import muon_utils  # pylint: disable=import-outside-toplevel
   from optax.contrib import MuonDimensionNumbers  # pylint: disable=import-outside-toplevel
@@ -364,22 +350,13 @@ def _nnx_leaves(config):
       config, _mesh(config)
   )
   state = nnx.state(model, nnx.Param)
-  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-  variables = dict(
-      (tuple(_key_str(k) for k in p), v)
-      for p, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]
-  )
-  dims_tree = muon_utils.get_muon_weight_dimension_numbers(model, config)
-  is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
-  dims = dict(
-      (tuple(_key_str(k) for k in p), d)
-      for p, d in jax.tree_util.tree_flatten_with_path(
-          dims_tree, is_leaf=is_dims
-      )[0]
+  variables = by_path(state, lambda x: isinstance(x, nnx.Variable))
+  dims = by_path(
+      muon_utils.get_muon_weight_dimension_numbers(model, config),
+      lambda x: x is None or isinstance(x, MuonDimensionNumbers),
   )
   leaves = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.as_pure(state))[0]:
-    key = tuple(_key_str(k) for k in path)
+  for key, leaf in by_path(nnx.as_pure(state)).items():
     leaves.append(
         {
             "path": list(key),
@@ -397,7 +374,6 @@ def _nnx_leaves(config):
 def _linen_leaves(config):
   """Leaves of the Linen model's unboxed variables, with names and dims."""
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
   from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
   from maxtext.utils import muon_utils  # pylint: disable=import-outside-toplevel
@@ -406,21 +382,13 @@ def _linen_leaves(config):
   model = model_creation_utils.from_config(config, mesh=_mesh(config))
   boxed = maxtext_utils.get_abstract_param(model, config)
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-  names = dict(
-      (tuple(_key_str(k) for k in p), b)
-      for p, b in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]
-  )
-  dims_tree = muon_utils.get_transform_tree(boxed)
-  is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
-  dims = dict(
-      (tuple(_key_str(k) for k in p), d)
-      for p, d in jax.tree_util.tree_flatten_with_path(
-          dims_tree, is_leaf=is_dims
-      )[0]
+  names = by_path(boxed, is_box)
+  dims = by_path(
+      muon_utils.get_transform_tree(boxed),
+      lambda x: x is None or isinstance(x, MuonDimensionNumbers),
   )
   leaves = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]:
-    key = tuple(_key_str(k) for k in path)
+  for key, leaf in by_path(nn.unbox(boxed)).items():
     box = names[key]
     leaves.append(
         {

@@ -379,31 +379,18 @@ def _layout_route(
   per layer; elsewhere a rule for the leaf's shape. None when neither
   describes it."""
   shape, ndim = tuple(leaf.shape), leaf.ndim
-  if stack is None:
-    for rule in routing.layouts:
-      if rule.matches(path, shape, owner):
-        dims = rule.dimension_numbers(shape, routing.heads)
-        return Route(
-            path,
-            ADAM if dims is None else MUON,
-            Reason.LAYOUT,
-            dims,
-            rule.name,
-            ndim,
-        )
-    return None
-  per_layer = stack.per_layer_shape(shape)
+  per_layer = shape if stack is None else stack.per_layer_shape(shape)
   for rule in routing.layouts:
     if rule.matches(path, per_layer, owner):
       dims = rule.dimension_numbers(per_layer, routing.heads)
-      return Route(
-          path,
-          ADAM if dims is None else MUON,
-          Reason.LAYOUT,
-          None if dims is None else stack.lift(dims, ndim),
-          f"{rule.name}, per layer ({stack.name})",
-          ndim,
-      )
+      name = rule.name
+      if stack is not None:
+        dims = None if dims is None else stack.lift(dims, ndim)
+        name = f"{rule.name}, per layer ({stack.name})"
+      optimizer = ADAM if dims is None else MUON
+      return Route(path, optimizer, Reason.LAYOUT, dims, name, ndim)
+  if stack is None:
+    return None
   if len(per_layer) < 2:
     return Route(path, ADAM, Reason.LAYER_VECTORS, detail=stack.name, ndim=ndim)
   if len(per_layer) == 2:
