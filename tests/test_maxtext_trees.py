@@ -8,10 +8,15 @@ import math
 import re
 import warnings
 
+import flax.linen as nn
+import hlo_cost
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from hlo_cost import compiled_device_flops
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from helpers import normal, rel_err, requires_contrib_api
 from real_trees import TREES
 
@@ -345,3 +350,66 @@ def test_the_maxtext_page_table_is_the_record_and_what_muon_does():
         int(n_out),
     ), path
     assert f"{row.scale:.3g}" == scale, path
+
+
+def _maxtext_shardings(record: dict, mesh) -> dict:
+  """Each leaf's ``NamedSharding`` from its logical names and the record's
+  ``logical_axis_rules``, as MaxText's own ``logical_to_mesh`` reads them."""
+  rules = tuple(
+      (name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+      for name, axes in record["logical_axis_rules"]
+  )
+
+  def sharding(leaf):
+    names = leaf["names"]
+    if names is None or len(names) != len(leaf["shape"]):
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(names), rules))
+
+  return _tree(record, sharding)
+
+
+@pytest.mark.slow
+def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
+  """deepseek3-tiny sharded as MaxText shards it (its logical axis rules on its
+  twelve-axis mesh, Auto, fsdp 4 × tensor 2), with ``param_shardings``: the
+  update equals the single-device one (1e-5), with no warning, and every NS
+  FLOP each device runs is one the plan reports (nothing redundant)."""
+  record = _record("maxtext_deepseek3_tiny")
+  sizes = {"fsdp": 4, "tensor": 2}
+  mesh = jax.make_mesh(
+      tuple(sizes.get(a, 1) for a in record["mesh_axes"]),
+      tuple(record["mesh_axes"]),
+      axis_types=(AxisType.Auto,) * len(record["mesh_axes"]),
+  )
+  shardings = _maxtext_shardings(record, mesh)
+  params = _tree(record, lambda l: _values(l["shape"], 0))
+  grads = _tree(record, lambda l: _values(l["shape"], 1))
+  single = om.muon(0.02)
+  reference = jax.jit(single.update)(grads, single.init(params), params)[0]
+  tx = om.muon(0.02, param_shardings=shardings)
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    sharded_params = jax.device_put(params, shardings)
+    sharded_grads = jax.device_put(grads, shardings)
+    state = jax.jit(tx.init)(sharded_params)
+    compiled = (
+        jax.jit(tx.update).lower(sharded_grads, state, sharded_params).compile()
+    )
+    updates = compiled(sharded_grads, state, sharded_params)[0]
+  far = [
+      (jax.tree_util.keystr(p), rel_err(x, y))
+      for (p, x), y in zip(
+          jax.tree_util.tree_leaves_with_path(updates),
+          jax.tree.leaves(reference),
+      )
+      if rel_err(x, y) >= 1e-5
+  ]
+  assert not far, far
+  plan = om.summarize(sharded_params, tx).plan
+  assert len(plan.leaves) == record["maxtext_on_muon"]
+  cost = hlo_cost.analyze(compiled, 8)
+  np.testing.assert_array_equal(
+      compiled_device_flops(cost, plan), plan.device_ns_flops()
+  )
+  assert cost.collectives_in_loops == 0

@@ -37,15 +37,19 @@ def _placement(plan: Plan, index: int, team_run) -> str:
   bucket = next(b for b in group.buckets if index in b.members)
   stages = next(s for s in group.stages() if bucket in s[0].buckets)
   k = stages[0].buckets.index(bucket)
+  sizes = dict(plan.mesh_shape)
+  # Axes of size 1 (MaxText's meshes name twelve) move nothing: not listed.
+  exchange_axes = [a for a in group.exchange_axes if sizes.get(a, 2) > 1]
+  replica_axes = [a for a in group.replica_axes if sizes.get(a, 2) > 1]
   parts = [
-      f"all-to-all over {'×'.join(group.exchange_axes)}"
+      f"all-to-all over {'×'.join(exchange_axes)}"
       if group.exchange_size > 1
       else "local"
   ]
   if group.replica_size > 1:
     parts.append(
         f"{'split' if group.split else 'redundant'} over "
-        f"{'×'.join(group.replica_axes)}"
+        f"{'×'.join(replica_axes)}"
     )
   head = (
       f"{', '.join(parts)}; bucket {bucket.shape[0]}×{bucket.shape[1]}: "
