@@ -51,7 +51,19 @@ def _gemma2_attention(path: list[str]) -> tuple | None:
   return None
 
 
-DEVIATIONS = {"maxtext_gemma2_2b": _gemma2_attention}
+# Gemma 4's ``layer_scalar`` is one scalar per layer, (1, layers) and (1,
+# layers, local layers). muon_utils' "scale" exclusion does not catch
+# "scalar", so its fallback makes a 1×1 matrix of each global layer's scalar
+# and a 1 × 5 matrix of the five local layers' scalars (Muon would normalize
+# them together). ``muon`` keeps them element-wise.
+def _gemma4_layer_scalar(path: list[str]) -> tuple | None:
+  return "AdamW" if path[-1] == "layer_scalar" else None
+
+
+DEVIATIONS = {
+    "maxtext_gemma2_2b": _gemma2_attention,
+    "maxtext_gemma4_26b": _gemma4_layer_scalar,
+}
 
 
 def _record(name: str) -> dict:
@@ -92,7 +104,7 @@ def _expected_axes(name: str, leaf: dict) -> tuple | None:
   None: AdamW): MaxText's own, but for the ``DEVIATIONS``."""
   deviation = DEVIATIONS.get(name, lambda path: None)(leaf["path"])
   if deviation is not None:
-    return deviation
+    return None if deviation == "AdamW" else deviation
   dims = leaf["maxtext_dims"]
   if dims is None:
     return None
@@ -112,19 +124,25 @@ def _contrib_dims(name: str, record: dict):
   return _tree(record, dims)
 
 
-def test_the_deviations_are_where_maxtext_misses_its_own_rule():
-  """Each deviation replaces MaxText's fallback numbers, (0,) → (-1,), on a
-  kernel of rank 4 (the rank MaxText's attention rule is written for)."""
+def test_the_deviations_are_where_maxtext_falls_back():
+  """Each deviation replaces MaxText's fallback numbers, (0,) → (-1,): on
+  Gemma 2's eight attention kernels (rank 4, the rank MaxText's attention rule
+  is written for) and Gemma 4's two layer scalars."""
+  counts = {}
   for name, deviation in DEVIATIONS.items():
     record = _record(name)
     hit = [l for l in record["leaves"] if deviation(l["path"]) is not None]
-    assert len(hit) == 8, name
+    counts[name] = len(hit)
     for leaf in hit:
-      assert len(leaf["shape"]) == 4
       assert leaf["maxtext_dims"] == {
           "reduction_axis": [0],
           "output_axis": [-1],
       }
+      if deviation(leaf["path"]) == "AdamW":
+        assert math.prod(leaf["shape"][:2]) == 1, leaf
+      else:
+        assert len(leaf["shape"]) == 4, leaf
+  assert counts == {"maxtext_gemma2_2b": 8, "maxtext_gemma4_26b": 2}
 
 
 def test_every_recorded_tree_is_maxtexts():

@@ -258,6 +258,65 @@ RECORDINGS = {
         },
         "nnx",
     ),
+    # Sliding-window and full attention in cycles of 4, QK norms.
+    "olmo3_7b": (
+        "olmo3-7b",
+        {**_LLAMA, "base_num_kv_heads": 4, "base_num_decoder_layers": 4},
+        "nnx",
+    ),
+    # DeepSeek-V3.2: MLA with the lightning indexer.
+    "deepseek3_2_671b": (
+        "deepseek3.2-671b",
+        {
+            **_DEEPSEEK3,
+            "base_num_decoder_layers": 4,
+            "first_num_dense_layers": 1,
+            "indexer_n_heads": 2,
+            "indexer_head_dim": 8,
+            "indexer_topk": 4,
+        },
+        "nnx",
+    ),
+    # DeepSeek-V4: compressed attention with grouped output LoRA (o_a_proj),
+    # hash-routed first layers, manifold-constrained hyper-connections.
+    "deepseek4_tiny": (
+        "deepseek4-tiny",
+        {
+            "vocab_size": 256,
+            "base_num_decoder_layers": 5,
+            "compress_ratios": [0, 0, 4, 128, 4],
+        },
+        "nnx",
+    ),
+    # Qwen3.5: Gated DeltaNet and full attention in cycles of 4, MoE.
+    "qwen3_5_35b_a3b": (
+        "qwen3.5-35b-a3b",
+        {
+            **_MOE,
+            "base_mlp_dim": 32,
+            "base_num_decoder_layers": 4,
+            "gdn_key_head_dim": 16,
+            "gdn_value_head_dim": 12,
+            "gdn_num_key_heads": 2,
+            "gdn_num_value_heads": 4,
+            # A quarter of head_dim rotates: 8 frequencies over 3 sections.
+            "head_dim": 64,
+            "mrope_section": [3, 3, 2],
+        },
+        "nnx",
+    ),
+    # Gemma 4: local and global attention (shared k/v projections), MoE.
+    "gemma4_26b": (
+        "gemma4-26b",
+        {
+            **_MOE,
+            "head_dim": 32,
+            "global_head_dim": 64,
+            "global_num_kv_heads": 1,
+            "base_num_decoder_layers": 6,
+        },
+        "nnx",
+    ),
     # Gated DeltaNet layers interleaved with full attention, cycles of 4.
     "qwen3_next_80b_a3b": (
         "qwen3-next-80b-a3b",

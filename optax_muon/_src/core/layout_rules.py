@@ -268,16 +268,17 @@ def _is_int(value: Any) -> bool:
 #: (``Routing.layer_stacks``): MaxText's scanned decoders, whose layer axis is
 #: axis 1 (``param_scan_axis=1``, MaxText's default): ``decoder/layers``,
 #: DeepSeek's ``decoder/dense_layers`` and ``decoder/moe_layers``, the scanned
-#: blocks of interleaved models (``decoder/layers/layers_0``), and Qwen3-Next's
-#: local layers, scanned inside each scanned block (axes 1 and 2).
+#: blocks of interleaved models (``decoder/layers/layers_0``,
+#: ``decoder/scanned_blocks``), and the local layers of Qwen3-Next and Gemma 4,
+#: scanned inside each scanned block (axes 1 and 2).
 KNOWN_LAYER_STACKS: tuple[LayerStack, ...] = (
     LayerStack(
-        r"(^|/)decoder/layers/local_layers/",
+        r"(^|/)decoder/(layers|scanned_blocks)/local_layers/",
         (1, 2),
         "MaxText scanned layers, local layers scanned inside (axes 1, 2)",
     ),
     LayerStack(
-        r"(^|/)decoder/(layers|dense_layers|moe_layers)/(?!\d)",
+        r"(^|/)decoder/(layers|dense_layers|moe_layers|scanned_blocks)/(?!\d)",
         1,
         "MaxText scanned layers, axis 1",
     ),
@@ -354,6 +355,22 @@ KNOWN_LAYOUTS: tuple[LayoutRule, ...] = (
         r"(^|/)(wq_b|wkv_b)/kernel$",
         "iOo",
         "MaxText MLA up projection (rank, heads, head_dim)",
+    ),
+    LayoutRule(
+        r"(^|/)wkv/kernel$",
+        "iOo",
+        "MaxText DeepSeek-V4 joint key-value (d_model, heads, head_dim)",
+    ),
+    LayoutRule(
+        r"(^|/)o_a_proj/kernel$",
+        "bio",
+        "MaxText DeepSeek-V4 grouped output (groups, heads·head_dim, rank)",
+    ),
+    LayoutRule(
+        r"(^|/)(csa|hca)_compressor/(indexer/)?position_bias$",
+        "io",
+        "MaxText DeepSeek-V4 compressor position table (ratio, head_dim),"
+        " a matrix as MaxText reads it",
     ),
     LayoutRule(
         rf"(^|/){_MAXTEXT_EXPERTS}/(wi|wi_0|wi_1|gate_up_proj)$",
@@ -466,6 +483,8 @@ LOGICAL_AXIS_ROLES: Mapping[str, str] = {
             "kv_lora_up_proj",
             "o_lora_up_proj",
             "gdn_head",
+            "indexer_q",
+            "indexer_weights",
             "engram_dim",
             "mhc",
         ),

@@ -456,7 +456,8 @@ def _default_route(
   ndim = leaf.ndim
   if ndim < 2:
     return Route(path, ADAM, Reason.FEWER_THAN_2_D, ndim=ndim)
-  if bias is not None:
+  # A layout rule that names the leaf is more specific than its bias-like name.
+  if bias is not None and (layout is None or layout.reason != Reason.LAYOUT):
     return Route(path, ADAM, Reason.BIAS, detail=bias, ndim=ndim)
   if pattern is not None and pattern.search(path):
     return Route(path, ADAM, Reason.PATTERN, ndim=ndim)
