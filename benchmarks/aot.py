@@ -70,6 +70,7 @@ TARGETS = {
     "tpu-v5e-16": Target("tpu", "v5e:4x4"),
     "tpu-v5p-256": Target("tpu", "v5p:8x8x4"),
     "gpu-h100-8": Target("cuda", "1x1x8", "h100_sxm.txtpb"),
+    "gpu-h100-2x8": Target("cuda", "1x2x8", "h100_sxm.txtpb"),
     "gpu-h200-4x8": Target("cuda", "1x4x8", "h200.txtpb"),
 }
 

@@ -194,13 +194,7 @@ def analyze(compiled, device_count: int) -> HloCost:
   in_loop: dict[str, bool] = defaultdict(bool)
   conditionals: list[Conditional] = []
 
-  def branches(line: str) -> list[str]:
-    match = _BRANCHES.search(line)
-    if not match:
-      return []
-    if match.group(1) is not None:
-      return [b.strip().lstrip("%") for b in match.group(1).split(",")]
-    return [match.group(2), match.group(3)]
+  branches = _branches
 
   def trip_count(line: str) -> int:
     """A while loop's trip count: XLA's ``known_trip_count`` where the compiler
@@ -368,13 +362,26 @@ def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
   return overlapped, total
 
 
+def _branches(line: str) -> list[str]:
+  """The branch computations of a conditional (none for other lines)."""
+  match = _BRANCHES.search(line)
+  if not match:
+    return []
+  if match.group(1) is not None:
+    return [b.strip().lstrip("%") for b in match.group(1).split(",")]
+  return [match.group(2), match.group(3)]
+
+
 def _line_has_product(line: str, products) -> bool:
+  """Whether the instruction is a matrix product or calls one: in a fusion, a
+  loop, or a branch of a conditional (``lax.switch``'s per-worker programs)."""
   inst = _INSTRUCTION.match(line)
   if not inst:
     return False
   if inst.group(3) in ("dot", "convolution"):
     return True
-  return any(products(c) for c in _CALLEE.findall(line))
+  callees = _CALLEE.findall(line) + _branches(line)
+  return any(products(c) for c in callees)
 
 
 def compiled_device_flops(cost, plan) -> np.ndarray:

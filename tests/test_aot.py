@@ -105,6 +105,12 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
   assert loop.count("all-gather") == 2 * (
       len(loop) - loop.count("all-gather")
   ), loop
+  # Across hosts, the exchange in stages: each stage's NS (in lax.switch
+  # branches) runs while the next stage's all-to-all moves.
+  if platform == "cuda":
+    two = out["two_hosts"]
+    assert two["stages"] >= 2 and two["conditionals"], two
+    assert two["overlapped"] >= 0.5, two
   # Dion (rank 1/4 of 256: r = 64): no all-to-all and no gathered matrix; the
   # compiler receives what summarize models (its ring model), give or take the
   # partitioner's reshards.
