@@ -12,7 +12,7 @@ both). Each platform needs its own environment (they cannot share a process)::
       jax-cuda12-plugin==0.10.2 nvidia-cuda-nvcc-cu12 optax
   /tmp/aot-tpu/bin/pip install --no-deps -e .   # and the same for /tmp/aot-gpu
   /tmp/aot-tpu/bin/python benchmarks/aot.py --targets tpu-v5e-16,tpu-v5p-256
-  /tmp/aot-gpu/bin/python benchmarks/aot.py --targets gpu-h100-8,gpu-h200-4x8
+  /tmp/aot-gpu/bin/python benchmarks/aot.py --targets gpu-h100-8,gpu-h200-4x8,gpu-h100-2x8
 
 With ``--dion 0.25,0.0625``, rows of ``optax_muon.dion`` at those rank fractions
 too (products at bfloat16 and at float32), their modelled time and received
