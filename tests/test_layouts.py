@@ -16,6 +16,8 @@ import optax
 import pytest
 from flax import nnx
 
+from hypothesis import given, settings, strategies as st
+
 import optax_muon as om
 from helpers import normal, random_grads, rel_err, requires_contrib_api
 import real_trees
@@ -785,3 +787,82 @@ def test_a_mesh_of_one_device_is_not_warned_about():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tx.update(params, tx.init(params), params)
+
+
+_PER_LAYER = {
+    # kind: (leaf name, per-layer shape, per-layer (reduction, output) axes)
+    "matrix": ("mlp/wi/kernel", (24, 40), ((0,), (1,))),
+    "attention": ("attn/query/kernel", (24, 4, 8), ((0,), (1, 2))),
+    "attention_out": ("attn/out/kernel", (4, 8, 24), ((0, 1), (2,))),
+    "experts": ("routed_experts/wi_0", (6, 24, 40), ((1,), (2,))),
+}
+
+
+def _insert(shape: tuple, axes: tuple[int, ...], sizes: tuple[int, ...]):
+  """``shape`` with ``sizes`` inserted so that they sit at ``axes`` of the
+  result (sorted)."""
+  out, rest = [], iter(shape)
+  placed = dict(zip(axes, sizes))
+  for a in range(len(shape) + len(axes)):
+    out.append(placed[a] if a in placed else next(rest))
+  return tuple(out)
+
+
+def _at_path(path: str, leaf) -> dict:
+  """``{"a": {"b": leaf}}`` for the path ``"a/b"``."""
+  for key in reversed(path.split("/")):
+    leaf = {key: leaf}
+  return leaf
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    kinds=st.lists(st.sampled_from(sorted(_PER_LAYER)), min_size=1, max_size=4),
+    nested=st.booleans(),
+    data=st.data(),
+)
+def test_a_layer_stack_anywhere_reads_each_layer_alone(kinds, nested, data):
+  """Layer axes drawn anywhere (one, or two for a scan inside a scan), one
+  stack per leaf: each leaf reads as the same leaf of one layer would, its
+  layer axes batch axes (the expected axes computed here, not by
+  ``LayerStack.lift``)."""
+  sizes = (3, 2) if nested else (3,)
+  params, stacks, expected = {}, [], {}
+  for i, kind in enumerate(dict.fromkeys(kinds)):
+    name, shape, dims = _PER_LAYER[kind]
+    ndim = len(shape) + len(sizes)
+    axes = tuple(
+        sorted(
+            data.draw(
+                st.lists(
+                    st.integers(0, ndim - 1),
+                    min_size=len(sizes),
+                    max_size=len(sizes),
+                    unique=True,
+                ),
+                label=f"{kind} layer axes",
+            )
+        )
+    )
+    path = f"block{i}/{name}"
+    params[f"block{i}"] = _at_path(name, jnp.zeros(_insert(shape, axes, sizes)))
+    # Negative axes count from the end, as a user may write them.
+    written = tuple(a - ndim if a % 2 else a for a in axes)
+    stacks.append(om.LayerStack(rf"^block{i}/", written, f"stack {i}"))
+    kept = [a for a in range(ndim) if a not in axes]
+    expected[path] = tuple(tuple(kept[a] for a in side) for side in dims)
+  routing = om.Routing(layer_stacks=tuple(stacks))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    routes = {r.path: r for r in om.route(params, routing)}
+  for path, want in expected.items():
+    r = routes[path]
+    assert r.optimizer == "muon", r
+    got = tuple(
+        tuple(sorted((a,) if isinstance(a, int) else a))
+        for a in (
+            r.dimension_numbers.reduction_axis,
+            r.dimension_numbers.output_axis,
+        )
+    )
+    assert got == want, (path, got, want)
