@@ -147,18 +147,57 @@ def test_the_cost_model_chooses_the_stages():
   )
 
 
-def test_exchanges_with_teams_keep_one_stage():
-  params = {"w": jnp.ones((256, 256)), "v": jnp.ones((256, 512))}
+def test_exchanges_with_teams_in_stages_equal_single_device():
+  """Free communication makes teams; forced into stages, each team's matrices
+  are cut like each owner's: the update equals the single-device one, the same
+  FLOPs per device as in one stage (all in the HLO), one all-to-all each way
+  per stage, the received bytes the plan's."""
+  dims = {
+      "w": om.MuonDimensionNumbers(1, 2),
+      "v": om.MuonDimensionNumbers(1, 2),
+  }
+  params = {
+      "w": jax.random.normal(jax.random.PRNGKey(0), (4, 256, 256)),
+      "v": jax.random.normal(jax.random.PRNGKey(1), (4, 256, 512)),
+  }
+  grads = [jax.tree.map(lambda x, i=i: jnp.cos(x + i), params) for i in (1, 2)]
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  sharded = jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), params
+  shardings = jax.tree.map(
+      lambda _: NamedSharding(mesh, P(None, "fsdp")), params
   )
+  put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
+  kw = dict(muon_weight_dimension_numbers=dims, ns_options=STANDARD)
+  single = om.muon(0.1, **kw)
+  state = single.init(params)
+  for g in grads:
+    reference, state = jax.jit(single.update)(g, state, params)
   tx = om.muon(
-      0.1, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=4)
+      0.1, **kw, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=2)
   )
-  plan = om.summarize(sharded, tx).plan
+  one = om.muon(
+      0.1, **kw, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=1)
+  )
+  sharded = put(params)
+  updates, _, compiled = sharded_steps(
+      tx, mesh, sharded, [put(g) for g in grads]
+  )
+  compare(updates, reference)
+  plan, whole = om.summarize(sharded, tx).plan, om.summarize(sharded, one).plan
   assert any(ex.teams for g in plan.groups for ex in g.exchanges)
-  assert _stage_counts(plan) == [1] * len(_stage_counts(plan))
+  assert max(_stage_counts(plan)) == 2 and max(_stage_counts(whole)) == 1
+  np.testing.assert_array_equal(plan.device_ns_flops(), whole.device_ns_flops())
+  cost = hlo_cost.analyze(compiled, 8)
+  np.testing.assert_array_equal(
+      compiled_device_flops(cost, plan), plan.device_ns_flops()
+  )
+  assert len(re.findall(r" all-to-all\(", compiled.as_text())) == 2 * sum(
+      _stage_counts(plan)
+  )
+  # The exchange's bytes (the teams' own collectives run inside NS).
+  exchanged = sum(
+      c.received_bytes for c in cost.collectives if c.kind == "all-to-all"
+  )
+  assert exchanged == plan.device_received_bytes().max()
 
 
 @pytest.mark.parametrize("stages", [0, -1, True, 1.5, "2"])

@@ -236,7 +236,9 @@ def _exchange_unit(ex: Exchange, plan: Plan, g: int) -> int:
   return math.gcd(*sizes)
 
 
-def buffer_units(ex: Exchange, plan: Plan, g: int) -> tuple[np.ndarray, int]:
+def buffer_units(
+    ex: Exchange, plan: Plan, g: int, unit: int | None = None
+) -> tuple[np.ndarray, int]:
   """Where each unit of the (workers, chunk) buffer comes from, and the unit.
 
   Row w holds this device's blocks (member w mod k's) of the matrices of worker
@@ -247,10 +249,13 @@ def buffer_units(ex: Exchange, plan: Plan, g: int) -> tuple[np.ndarray, int]:
   the last, at a unit of zeros. (An index per element would be a constant of the
   size of the device's Muon params in the compiled program.)
 
+  ``unit``: a divisor of ``_exchange_unit``'s (the stages of an exchange share
+  the gcd of theirs); None: that unit.
+
   Returns:
     ((workers, chunk // unit) unit indices, unit).
   """
-  unit = _exchange_unit(ex, plan, g)
+  unit = unit or _exchange_unit(ex, plan, g)
   starts = (
       np.cumsum([0] + [b.matrices * b.piece_size(g) for b in ex.buckets])
       // unit
@@ -372,8 +377,8 @@ def _run_stage(
   g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
   replicas = workers // g
   rep = _index(group.replica_axes) if group.split else 0
-  index, unit = buffer_units(ex, plan, g)  # (workers, chunk // unit)
-  assert unit == units.shape[1], "the stages of an exchange share its unit"
+  # (workers, chunk // unit); the stages of an exchange share its unit.
+  index, unit = buffer_units(ex, plan, g, units.shape[1])
   # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to
   # the busiest worker's; replicas hold the same data, so each sends its own
   # workers' only.
@@ -476,7 +481,9 @@ def _run_exchange(
     # The stacks in the wire dtype, cut into units, and a unit of zeros for
     # padding.
     wire = jnp.dtype(plan.wire_dtype or jnp.result_type(*stacks))
-    unit = _exchange_unit(ex, plan, group.exchange_size)
+    unit = math.gcd(
+        *(_exchange_unit(s, plan, group.exchange_size) for s in stages)
+    )
     units = jnp.concatenate(
         [s.astype(wire).reshape(-1) for s in stacks]
         + [jnp.zeros((unit,), wire)]

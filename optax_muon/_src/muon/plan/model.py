@@ -391,17 +391,12 @@ class Group:
     )
 
   def stages(self) -> list[tuple[Exchange, ...]]:
-    """The exchanges, consecutive ones of the same buckets (without teams)
-    together: the stages of one exchange split by matrix so that its all-to-alls
-    pipeline with NS (``plan.stages``)."""
+    """The exchanges, consecutive ones of the same buckets together: the
+    stages of one exchange split by matrix so that its all-to-alls pipeline
+    with NS (``plan.stages``; a bucket belongs to one exchange)."""
     runs: list[list[Exchange]] = []
     for ex in self.exchanges:
-      if (
-          runs
-          and not ex.teams
-          and not runs[-1][-1].teams
-          and runs[-1][-1].buckets == ex.buckets
-      ):
+      if runs and runs[-1][-1].buckets == ex.buckets:
         runs[-1].append(ex)
       else:
         runs.append([ex])

@@ -12,8 +12,8 @@ takes consecutive ones as one exchange (``Group.stages``).
 S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
 within 2% of the shortest modelled time (each stage compiles its own NS code), 1
 where the model cannot overlap collectives (``CostModel. overlap``; XLA:CPU) or
-where a stage's collective latency costs more than it hides. Exchanges with
-teams keep one stage (their team collectives already run inside NS).
+where a stage's collective latency costs more than it hides. An exchange with
+teams is cut the same way, each team's matrices in its runs' order.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.muon.plan.exchanges import make_exchange
-from optax_muon._src.muon.plan.model import Exchange, Group, Plan
+from optax_muon._src.muon.plan.model import Exchange, Group, Plan, TeamRun
 from optax_muon._src.muon.plan.owners import Ownership
 
 #: The most stages an exchange is split into.
@@ -49,19 +49,19 @@ def _cut(flops: list[int], stages: int) -> list[int]:
 def split_exchange(
     ex: Exchange, plan: Plan, workers: int, stages: int
 ) -> tuple[Exchange, ...]:
-  """``ex`` as ``stages`` exchanges of the same buckets, each worker's matrices
-  cut in program order into runs of about equal FLOPs (stages a worker has no
-  matrix for are empty for it).
+  """``ex`` as ``stages`` exchanges of the same buckets: each worker's whole
+  matrices, and each team's matrices, cut in program order into runs of about
+  equal FLOPs (stages a worker or team has no matrix for are empty for it).
 
   Args:
-    ex: an exchange without teams.
+    ex: an exchange.
     plan: its plan.
     workers: its group's workers.
     stages: how many stages.
 
   Returns:
-    The stages, each an ``Exchange`` whose ``owned`` holds that stage's
-    matrices.
+    The stages, each an ``Exchange`` whose ``owned`` (and ``teams``) hold that
+    stage's matrices.
   """
   offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
   owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
@@ -71,11 +71,39 @@ def split_exchange(
         items, _cut([ex.buckets[k].flops for k, _ in items], stages)
     ):
       owners[s][offsets[k] + j] = w
-  return tuple(
-      make_exchange(
-          ex.buckets, Ownership(owner, []), list(plan.leaves), workers
-      )
-      for owner in owners
+  # Per stage, per team, its runs restricted to the stage's matrices.
+  teams = [[[] for _ in ex.teams] for _ in range(stages)]
+  for t, runs in enumerate(ex.teams):
+    items = [(r, j) for r in runs for j in r.matrices]
+    cut = _cut([r.cost.flops for r, _ in items], stages)
+    for s in range(stages):
+      for r in runs:
+        mine = tuple(j for (q, j), c in zip(items, cut) if q is r and c == s)
+        if mine:
+          teams[s][t].append(dataclasses.replace(r, matrices=mine))
+  out = []
+  for s, owner in enumerate(owners):
+    stage = make_exchange(
+        ex.buckets, Ownership(owner, []), list(plan.leaves), workers
+    )
+    if ex.teams:
+      stage = _with_teams(stage, ex.team_size, teams[s])
+    out.append(stage)
+  return tuple(out)
+
+
+def _with_teams(
+    ex: Exchange, team_size: int, teams: list[list[TeamRun]]
+) -> Exchange:
+  """``ex`` with these teams' runs (and their distinct programs)."""
+  keys = [tuple(r.key for r in runs) for runs in teams]
+  programs = list(dict.fromkeys(keys))
+  return dataclasses.replace(
+      ex,
+      team_size=team_size,
+      teams=tuple(tuple(runs) for runs in teams),
+      team_programs=tuple(programs),
+      team_program_of=tuple(programs.index(k) for k in keys),
   )
 
 
@@ -108,10 +136,14 @@ def choose_stages(
   for group in plan.groups:
     exchanges = []
     for ex in group.exchanges:
-      most = max(sum(map(len, owned)) for owned in ex.owned)
+      most = max(
+          sum(map(len, owned)) + team
+          for owned, team in zip(
+              ex.owned, ex.per_worker(lambda r: len(r.matrices))
+          )
+      )
       if (
-          ex.teams
-          or group.workers == 1
+          group.workers == 1
           or group.exchange_size == 1
           or most < 2
           or (stages is None and not model.overlap)
