@@ -101,9 +101,10 @@ class ShardingOptions:
       ahead-of-time compilation; an abstract mesh has none, then
       ``jax.devices()``'s), at the NS compute dtype's rate (see
       ``CostModel.profile``).
-    exchange_stages: split each exchange (without teams) by matrix into this
-      many stages, so that a stage's all-to-alls move while another stage is
-      orthogonalized (at most as many as the busiest owner has matrices);
+    exchange_stages: split each exchange by matrix into this many stages (a
+      team's matrices like an owner's), so that a stage's all-to-alls move
+      while another stage is orthogonalized (at most as many as the busiest
+      worker has matrices);
       ``None``: as many as shorten the cost model's modelled time (one on
       XLA:CPU, whose collectives cannot overlap compute). TPUs need asynchronous
       all-to-alls for the overlap (``LIBTPU_INIT_ARGS=

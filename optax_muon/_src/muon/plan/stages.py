@@ -52,6 +52,7 @@ def split_exchange(
   """``ex`` as ``stages`` exchanges of the same buckets: each worker's whole
   matrices, and each team's matrices, cut in program order into runs of about
   equal FLOPs (stages a worker or team has no matrix for are empty for it).
+  Beside a team, a worker's whole matrices fill its least loaded stages.
 
   Args:
     ex: an exchange.
@@ -63,24 +64,36 @@ def split_exchange(
     The stages, each an ``Exchange`` whose ``owned`` (and ``teams``) hold that
     stage's matrices.
   """
-  offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
-  owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
-  for w, owned in enumerate(ex.owned):
-    items = [(k, j) for k, mine in enumerate(owned) for j in mine]
-    for (k, j), s in zip(
-        items, _cut([ex.buckets[k].flops for k, _ in items], stages)
-    ):
-      owners[s][offsets[k] + j] = w
-  # Per stage, per team, its runs restricted to the stage's matrices.
+  # Per stage, per team, its runs restricted to the stage's matrices; and per
+  # team, its members' FLOPs in each stage.
   teams = [[[] for _ in ex.teams] for _ in range(stages)]
+  team_load = np.zeros((len(ex.teams), stages))
   for t, runs in enumerate(ex.teams):
     items = [(r, j) for r in runs for j in r.matrices]
     cut = _cut([r.cost.flops for r, _ in items], stages)
+    for (r, _), c in zip(items, cut):
+      team_load[t, c] += r.cost.flops
     for s in range(stages):
       for r in runs:
         mine = tuple(j for (q, j), c in zip(items, cut) if q is r and c == s)
         if mine:
           teams[s][t].append(dataclasses.replace(r, matrices=mine))
+  offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
+  owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
+  for w, owned in enumerate(ex.owned):
+    items = [(k, j) for k, mine in enumerate(owned) for j in mine]
+    flops = [ex.buckets[k].flops for k, _ in items]
+    if ex.teams:
+      # Around the worker's team share: each matrix to its least loaded stage.
+      load = team_load[w // ex.team_size].copy()
+      cut = []
+      for f in flops:
+        cut.append(int(np.argmin(load)))
+        load[cut[-1]] += f
+    else:
+      cut = _cut(flops, stages)
+    for (k, j), s in zip(items, cut):
+      owners[s][offsets[k] + j] = w
   out = []
   for s, owner in enumerate(owners):
     stage = make_exchange(
