@@ -122,14 +122,26 @@ def _seven_b(model, stages=None):
 
 def test_the_cost_model_chooses_the_stages():
   # XLA:CPU's profile cannot overlap; free or prohibitive communication gains
-  # nothing.
+  # nothing, and the plan says why it keeps one stage where it could overlap.
   for model in (PROFILES["cpu"], FREE, PROHIBITIVE):
-    assert _stage_counts(_seven_b(model)) == [1], model
+    plan = _seven_b(model)
+    assert _stage_counts(plan) == [1], model
+    if model.overlap:
+      (note,) = plan.stage_notes
+      assert "in one stage: the cost model's pipelined time is no shorter" in (
+          note
+      ), note
+      assert re.search(
+          r"\(\d stages [\d.e+]+ ms against [\d.e+]+ ms in one", note
+      )
+    else:
+      assert plan.stage_notes == ()
   # An H100's NS in bfloat16 beside NVLink: split, the modelled time shorter
   # than one stage's, the same FLOPs per device.
   h100 = PROFILES["h100"]
   staged, whole = _seven_b(h100), _seven_b(h100, stages=1)
   assert max(_stage_counts(staged)) > 1
+  assert staged.stage_notes == whole.stage_notes == ()
   assert staged.critical_seconds() < whole.critical_seconds()
   np.testing.assert_array_equal(
       staged.device_ns_flops(), whole.device_ns_flops()

@@ -224,6 +224,7 @@ def _notes(
       tuple(notes)
       + option_notes(options, params)
       + (_precision(spec),) * bool(spec.muon_leaves)
+      + spec.plan.stage_notes
       + spec.notices
   )
 

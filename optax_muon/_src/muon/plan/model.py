@@ -459,6 +459,8 @@ class Plan:
     wire_dtype: dtype of the all-to-all buffers; ``None`` keeps the leaves'.
     cost_model: the model the plan was chosen by (``None``: whole matrices
       only).
+    stage_notes: why exchanges that could overlap NS on the model's devices
+      stay in one stage (``plan.stages``), for ``summarize``.
   """
 
   mesh_shape: tuple[tuple[str, int], ...]
@@ -467,6 +469,7 @@ class Plan:
   exchange: str = "combined"
   wire_dtype: Any = None
   cost_model: CostModel | None = None
+  stage_notes: tuple[str, ...] = ()
 
   @property
   def device_count(self) -> int:

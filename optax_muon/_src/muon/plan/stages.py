@@ -145,10 +145,11 @@ def choose_stages(
   Returns:
     The plan with staged exchanges (itself where nothing is split).
   """
-  groups = []
+  groups, notes = [], []
   for group in plan.groups:
     exchanges = []
     for ex in group.exchanges:
+      what = _exchange_words(ex)
       most = max(
           sum(map(len, owned)) + team
           for owned, team in zip(
@@ -161,6 +162,11 @@ def choose_stages(
           or most < 2
           or (stages is None and not model.overlap)
       ):
+        if most < 2 and model.overlap and group.exchange_size > 1:
+          notes.append(
+              f"{what} in one stage: no worker orthogonalizes two of its"
+              " matrices, so none can move while another is orthogonalized."
+          )
         exchanges.append(ex)
         continue
       if stages is not None:
@@ -179,6 +185,24 @@ def choose_stages(
           if t <= best * (1 + NEAR_BEST)
           and (s == 1 or t < seconds[1] * (1 - MIN_GAIN))
       )
+      if chosen == 1:
+        alternative = min((t, s) for s, t in seconds.items() if s > 1)
+        notes.append(
+            f"{what} in one stage: the cost model's pipelined time is no"
+            f" shorter in stages ({alternative[1]} stages"
+            f" {alternative[0] * 1e3:.3g} ms against {seconds[1] * 1e3:.3g} ms"
+            " in one: each stage's all-to-all carries its busiest worker's"
+            " chunk and pays the collective latency)."
+        )
       exchanges += options[chosen]
     groups.append(dataclasses.replace(group, exchanges=tuple(exchanges)))
-  return dataclasses.replace(plan, groups=tuple(groups))
+  return dataclasses.replace(
+      plan, groups=tuple(groups), stage_notes=tuple(notes)
+  )
+
+
+def _exchange_words(ex: Exchange) -> str:
+  """The exchange, named by its buckets' matrix shapes."""
+  shapes = [f"{b.shape[0]}×{b.shape[1]}" for b in ex.buckets]
+  listed = ", ".join(shapes[:3]) + (", …" if len(shapes) > 3 else "")
+  return f"The exchange of the {listed} matrices goes"
