@@ -224,7 +224,7 @@ def _notes(
       tuple(notes)
       + option_notes(options, params)
       + (_precision(spec),) * bool(spec.muon_leaves)
-      + spec.plan.stage_notes
+      + (spec.plan.stage_notes if spec.plan is not None else ())
       + spec.notices
   )
 
