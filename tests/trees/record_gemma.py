@@ -43,11 +43,10 @@ pytest's ``--doctest-modules`` collection can import it on Python 3.11 without
 ``gemma``.
 """
 
-import json
 import pathlib
 import sys
 
-from key_paths import key_str
+from recording import key_str, write_record
 
 # Class names in `gemma.gm.nn` (gemma 4.0.1), each built with its default
 # constructor.
@@ -114,11 +113,7 @@ def record(model_name):
       "created_by": "tests/trees/record_gemma.py",
   }
   out = OUT_DIR / f"gemma_{model_name}.json"
-  with open(out, "w", encoding="utf-8") as f:
-    f.write(json.dumps(doc, separators=(",", ":"))[:-1])
-    f.write(',"leaves":[\n')
-    f.write(",\n".join(json.dumps(l, separators=(",", ":")) for l in leaves))
-    f.write("\n]}\n")
+  write_record(out, doc, leaves)
   return out, len(leaves)
 
 

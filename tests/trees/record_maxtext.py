@@ -86,12 +86,11 @@ pytest's ``--doctest-modules`` collection can import it on Python 3.11 without
 MaxText.
 """
 
-import json
 import os
 import pathlib
 import sys
 
-from key_paths import by_path
+from recording import by_path, write_record
 
 OUT_DIR = pathlib.Path(__file__).resolve().parent
 
@@ -147,6 +146,8 @@ _MOE = {
     "num_experts_per_tok": 2,
 }
 
+_GEMMA = {**_LLAMA, "head_dim": 32}
+
 # key -> (MaxText model_name, overrides beyond COMMON, api).
 RECORDINGS = {
     "llama3_8b_scanned": ("llama3-8b", _LLAMA, "nnx"),
@@ -174,33 +175,9 @@ RECORDINGS = {
     ),
     # 8 layers: one scanned block of 6 (5 local, 1 global) plus a remainder of
     # 2; tied embeddings.
-    "gemma3_4b": (
-        "gemma3-4b",
-        {
-            "base_emb_dim": 64,
-            "base_mlp_dim": 96,
-            "base_num_query_heads": 4,
-            "base_num_kv_heads": 2,
-            "head_dim": 32,
-            "vocab_size": 256,
-            "base_num_decoder_layers": 8,
-        },
-        "nnx",
-    ),
+    "gemma3_4b": ("gemma3-4b", {**_GEMMA, "base_num_decoder_layers": 8}, "nnx"),
     # Each layer is a (local, global) pair; tied embeddings.
-    "gemma2_2b": (
-        "gemma2-2b",
-        {
-            "base_emb_dim": 64,
-            "base_mlp_dim": 96,
-            "base_num_query_heads": 4,
-            "base_num_kv_heads": 2,
-            "head_dim": 32,
-            "vocab_size": 256,
-            "base_num_decoder_layers": 3,
-        },
-        "nnx",
-    ),
+    "gemma2_2b": ("gemma2-2b", {**_GEMMA, "base_num_decoder_layers": 3}, "nnx"),
     "mixtral_8x7b": (
         "mixtral-8x7b",
         {**_MOE, "num_experts": 4, "base_moe_mlp_dim": 96},
@@ -505,11 +482,7 @@ def record(key):
       "maxtext_on_muon": sum(l["maxtext_dims"] is not None for l in leaves),
   }
   out = OUT_DIR / f"maxtext_{key}.json"
-  with open(out, "w", encoding="utf-8") as f:
-    f.write(json.dumps(doc, separators=(",", ":"))[:-1])
-    f.write(',"leaves":[\n')
-    f.write(",\n".join(json.dumps(l, separators=(",", ":")) for l in leaves))
-    f.write("\n]}\n")
+  write_record(out, doc, leaves)
   return out, leaves
 
 

@@ -1,5 +1,8 @@
-"""Key paths as tuples of strings, for the recorders in this folder (each runs
-by hand in its library's own environment, with this folder on ``sys.path``)."""
+"""What the recorders in this folder share (each runs by hand in its library's
+own environment, with this folder on ``sys.path``): key paths as strings, and
+the JSON layout of a record (a header, then one leaf per line)."""
+
+import json
 
 
 def key_str(k):
@@ -23,3 +26,12 @@ def by_path(tree, is_leaf=None):
 
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   return {tuple(key_str(k) for k in path): leaf for path, leaf in flat}
+
+
+def write_record(path, header: dict, leaves: list[dict]) -> None:
+  """Writes ``header`` with a ``"leaves"`` list, one leaf per line."""
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(json.dumps(header, separators=(",", ":"))[:-1])
+    f.write(',"leaves":[\n')
+    f.write(",\n".join(json.dumps(l, separators=(",", ":")) for l in leaves))
+    f.write("\n]}\n")
