@@ -194,8 +194,6 @@ def analyze(compiled, device_count: int) -> HloCost:
   in_loop: dict[str, bool] = defaultdict(bool)
   conditionals: list[Conditional] = []
 
-  branches = _branches
-
   def trip_count(line: str) -> int:
     """A while loop's trip count: XLA's ``known_trip_count`` where the compiler
     records it (CPU, GPU), else the bound of the condition's ``i < N`` (the TPU
@@ -220,7 +218,7 @@ def analyze(compiled, device_count: int) -> HloCost:
         visit(body, times * trip_count(line), True, top)
         continue
       if inst.group(3) == "conditional":
-        names = branches(line)
+        names = _branches(line)
         flops = tuple(dot_flops(b) for b in names)
         if top and any(flops):
           conditionals.append(Conditional(flops, times))
@@ -262,7 +260,7 @@ def analyze(compiled, device_count: int) -> HloCost:
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
         total += trip_count(line) * dot_flops(body)
       elif opcode == "conditional":
-        total += max(dot_flops(b) for b in branches(line))
+        total += max(dot_flops(b) for b in _branches(line))
       else:
         total += sum(
             dot_flops(c) for c in _CALLEE.findall(line) if c in computations

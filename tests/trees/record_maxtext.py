@@ -148,6 +148,17 @@ _MOE = {
 
 _GEMMA = {**_LLAMA, "head_dim": 32}
 
+# Gated DeltaNet layers (Qwen3-Next, Qwen3.5) with MoE, cycles of 4.
+_GATED_DELTA_MOE = {
+    **_MOE,
+    "base_mlp_dim": 32,
+    "base_num_decoder_layers": 4,
+    "gdn_key_head_dim": 16,
+    "gdn_value_head_dim": 12,
+    "gdn_num_key_heads": 2,
+    "gdn_num_value_heads": 4,
+}
+
 # key -> (MaxText model_name, overrides beyond COMMON, api).
 RECORDINGS = {
     "llama3_8b_scanned": ("llama3-8b", _LLAMA, "nnx"),
@@ -269,13 +280,7 @@ RECORDINGS = {
     "qwen3_5_35b_a3b": (
         "qwen3.5-35b-a3b",
         {
-            **_MOE,
-            "base_mlp_dim": 32,
-            "base_num_decoder_layers": 4,
-            "gdn_key_head_dim": 16,
-            "gdn_value_head_dim": 12,
-            "gdn_num_key_heads": 2,
-            "gdn_num_value_heads": 4,
+            **_GATED_DELTA_MOE,
             # A quarter of head_dim rotates: 8 frequencies over 3 sections.
             "head_dim": 64,
             "mrope_section": [3, 3, 2],
@@ -297,15 +302,7 @@ RECORDINGS = {
     # Gated DeltaNet layers interleaved with full attention, cycles of 4.
     "qwen3_next_80b_a3b": (
         "qwen3-next-80b-a3b",
-        {
-            **_MOE,
-            "base_mlp_dim": 32,
-            "base_num_decoder_layers": 4,
-            "gdn_key_head_dim": 16,
-            "gdn_value_head_dim": 12,
-            "gdn_num_key_heads": 2,
-            "gdn_num_value_heads": 4,
-        },
+        _GATED_DELTA_MOE,
         "nnx",
     ),
 }

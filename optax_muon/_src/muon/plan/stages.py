@@ -69,15 +69,19 @@ def split_exchange(
   teams = [[[] for _ in ex.teams] for _ in range(stages)]
   team_load = np.zeros((len(ex.teams), stages))
   for t, runs in enumerate(ex.teams):
-    items = [(r, j) for r in runs for j in r.matrices]
-    cut = _cut([r.cost.flops for r, _ in items], stages)
-    for (r, _), c in zip(items, cut):
-      team_load[t, c] += r.cost.flops
+    items = [(q, j) for q, r in enumerate(runs) for j in r.matrices]
+    picked = [[[] for _ in runs] for _ in range(stages)]
+    for (q, j), c in zip(
+        items, _cut([runs[q].cost.flops for q, _ in items], stages)
+    ):
+      picked[c][q].append(j)
+      team_load[t, c] += runs[q].cost.flops
     for s in range(stages):
-      for r in runs:
-        mine = tuple(j for (q, j), c in zip(items, cut) if q is r and c == s)
-        if mine:
-          teams[s][t].append(dataclasses.replace(r, matrices=mine))
+      teams[s][t] = [
+          dataclasses.replace(r, matrices=tuple(js))
+          for r, js in zip(runs, picked[s])
+          if js
+      ]
   offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
   owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
   for w, owned in enumerate(ex.owned):
