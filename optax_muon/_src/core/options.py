@@ -218,22 +218,16 @@ class Routing:
       raise ValueError(
           f"Routing.biases must be True or False, got {self.biases!r}."
       )
-    if isinstance(self.layouts, LayoutRule) or not all(
-        isinstance(r, LayoutRule) for r in _iterable(self.layouts)
-    ):
-      raise ValueError(
-          "Routing.layouts must be a sequence of optax_muon.LayoutRule, got "
-          f"{self.layouts!r}."
-      )
-    object.__setattr__(self, "layouts", tuple(self.layouts))
-    if isinstance(self.layer_stacks, LayerStack) or not all(
-        isinstance(r, LayerStack) for r in _iterable(self.layer_stacks)
-    ):
-      raise ValueError(
-          "Routing.layer_stacks must be a sequence of optax_muon.LayerStack,"
-          f" got {self.layer_stacks!r}."
-      )
-    object.__setattr__(self, "layer_stacks", tuple(self.layer_stacks))
+    for field, kind in (("layouts", LayoutRule), ("layer_stacks", LayerStack)):
+      value = getattr(self, field)
+      if isinstance(value, kind) or not all(
+          isinstance(r, kind) for r in _iterable(value)
+      ):
+        raise ValueError(
+            f"Routing.{field} must be a sequence of optax_muon.{kind.__name__},"
+            f" got {value!r}."
+        )
+      object.__setattr__(self, field, tuple(value))
     check_choice("Routing", "heads", self.heads, HEADS)
 
 
