@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import optax_muon
 from optax_muon._src.core.profiles import PROFILES
 from optax_muon._src.dion.costs import dion_cost, step_seconds
-from optax_muon._src.dion.step import DionMatrix, rank_of
+from optax_muon._src.dion.matrix import DionMatrix, rank_of
 from optax_muon._src.core.matrices import make_layout
 from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
 from sharding import LARGE_TREES, abstract_plans, llama_shapes

@@ -4,7 +4,9 @@ Optax.
 Optimizers: ``muon`` (Muon on the matrices, AdamW on the rest) and its building
 blocks ``scale_by_muon`` and ``scale_by_shape`` (compose them in
 ``optax.chain``); ``dion`` and ``scale_by_dion`` put Dion's low-rank direction
-in Newton–Schulz's place. Both take every argument of their ``optax.contrib``
+in Newton–Schulz's place (with ``replica_axes``, data-parallel replicas sync only
+its rank-r factors: ``per_replica`` makes their gradients, ``average_replicas``
+and ``spread_replicas`` checkpoint their buffers). Both take every argument of their ``optax.contrib``
 namesakes; this package's own options come as the objects ``NSOptions``,
 ``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
 
@@ -37,11 +39,17 @@ from optax_muon._src.core.matrices import MuonDimensionNumbers
 from optax_muon._src.core.options import Routing, ShardingOptions
 from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.core.qk_clipping import QKClip, QKClipHeads, qk_clip
+from optax_muon._src.core.replicas import per_replica
 from optax_muon._src.core.routing import infer_dimension_numbers, route
 from optax_muon._src.core.scaling import scale_by_shape
 from optax_muon._src.core.weight_decay import add_cautious_decayed_weights
 from optax_muon._src.dion.alias import dion
-from optax_muon._src.dion.transform import DionState, scale_by_dion
+from optax_muon._src.dion.replicas import average_replicas, spread_replicas
+from optax_muon._src.dion.transform import (
+    DionReplicaState,
+    DionState,
+    scale_by_dion,
+)
 from optax_muon._src.muon.alias import muon
 from optax_muon._src.muon.coefficients import (
     PRESET_NAMES,
@@ -59,6 +67,7 @@ __version__ = "0.3.0"
 
 __all__ = [
     "CostModel",
+    "DionReplicaState",
     "DionState",
     "KNOWN_LAYOUTS",
     "LOGICAL_AXIS_ROLES",
@@ -75,12 +84,14 @@ __all__ = [
     "Routing",
     "ShardingOptions",
     "add_cautious_decayed_weights",
+    "average_replicas",
     "diagnostics",
     "dion",
     "infer_dimension_numbers",
     "msign",
     "muon",
     "newton_schulz",
+    "per_replica",
     "polar_express_coefficients",
     "qk_clip",
     "route",
@@ -88,5 +99,6 @@ __all__ = [
     "scale_by_muon",
     "scale_by_shape",
     "singular_value_range",
+    "spread_replicas",
     "summarize",
 ]

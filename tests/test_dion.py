@@ -21,7 +21,7 @@ from helpers import (
     rel_err,
     singular_values,
 )
-from optax_muon._src.dion.step import rank_of
+from optax_muon._src.dion.matrix import rank_of
 from optax_muon._src.core.matrices import make_layout
 from trees import gpt_tree, muon_dims
 

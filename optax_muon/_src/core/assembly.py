@@ -14,6 +14,10 @@ import optax
 
 from optax_muon._src.core.dtypes import moment_dtype
 from optax_muon._src.core.options import check_number
+from optax_muon._src.core.replicas import (
+    averaged_over_replicas,
+    without_replica_axis,
+)
 from optax_muon._src.core.routing import ADAM, MUON
 from optax_muon._src.core.scaling import check_shape_scale
 from optax_muon._src.core.sharding import inside_shard_map, place_like_params
@@ -180,6 +184,7 @@ def matrices_and_adam(
     options: TreeOptions,
     *,
     keep: type | tuple[type, ...],
+    replica_axes: tuple[str, ...] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.partition({"muon": matrices, "adam": adam})`` routed by
   ``options``, then QK-clip (stateless, so the state is the partition's with or
@@ -192,24 +197,29 @@ def matrices_and_adam(
     adam: the other leaves' optimizer (``adamw``).
     options: the static options (routing, shapes, shardings, QK-clip).
     keep: the direction's state type(s), placed by the direction itself.
+    replica_axes: data-parallel axes whose gradients arrive per replica
+      (``core.replicas``): ``matrices`` takes them so, ``adam`` their mean.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
     ``optax.partition``'s.
   """
+  if replica_axes:
+    adam = averaged_over_replicas(adam, replica_axes)
   tx = optax.partition(
       {MUON: matrices, ADAM: adam},
       lambda params: tree_spec(params, options).labels(params),
   )
   if options.qk_clip is not None:
     tx = followed_by_stateless(tx, options.qk_clip.transformation())
-  return _checked_and_placed(tx, options, keep)
+  return _checked_and_placed(tx, options, keep, replica_axes)
 
 
 def _checked_and_placed(
     tx: optax.GradientTransformation,
     options: TreeOptions,
     keep: type | tuple[type, ...],
+    replica_axes: tuple[str, ...] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """``tx`` whose ``init`` warns (once) about what the routing did that the user
   may not expect and puts AdamW's moments where their params live, and whose
@@ -236,7 +246,9 @@ def _checked_and_placed(
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:
-      check_same_shapes(updates, params, "the param")
+      check_same_shapes(
+          without_replica_axis(updates, replica_axes), params, "the param"
+      )
     return tx.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -68,8 +68,20 @@ class LeafSharding:
   def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(size // self.shards(d) for d, size in enumerate(shape))
 
-  def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(size * self.shards(d) for d, size in enumerate(local_shape))
+  def global_shape(
+      self, local_shape: tuple[int, ...], manual: frozenset[str] | None = None
+  ) -> tuple[int, ...]:
+    """The global shape of a local block: each dimension times its shards over
+    the ``manual`` axes (all of its axes when None)."""
+    return tuple(
+        size
+        * math.prod(
+            self.mesh.shape[a]
+            for a in self.dim_axes[d]
+            if manual is None or a in manual
+        )
+        for d, size in enumerate(local_shape)
+    )
 
   def axes_of(self, dims: tuple[int, ...]) -> tuple[str, ...]:
     """The mesh axes splitting any of ``dims``, sorted."""
@@ -126,10 +138,16 @@ def placement_of(x: Any, known: LeafSharding | None) -> LeafSharding | None:
   )
 
 
+def manual_axes() -> frozenset[str]:
+  """The mesh axes that are manual here (inside ``shard_map`` over them, arrays
+  are local blocks along the dimensions they split); empty outside."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return frozenset() if mesh.empty else frozenset(mesh.manual_axes)
+
+
 def inside_shard_map() -> bool:
   """Whether this runs inside ``shard_map`` (leaves are then local blocks)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and bool(mesh.manual_axes)
+  return bool(manual_axes())
 
 
 def _check_axis_types(mesh, path: str) -> None:

@@ -40,12 +40,12 @@ from optax_muon._src.core.routing import (
 )
 from optax_muon._src.core.sharding import (
     LeafSharding,
-    inside_shard_map,
     is_sharding_value,
     leaf_sharding,
     resolve_param_shardings,
     typed_sharding,
     left_to_the_partitioner_notice,
+    manual_axes,
 )
 
 
@@ -180,7 +180,9 @@ class TreeSpec:
   Attributes:
     leaves: per position of ``tree_utils.flatten_positions(tree)``: a
       ``LeafSpec``, or None at placeholders (None, ``optax.MaskedNode``).
-    manual: whether the tree's leaves are local blocks (inside ``shard_map``).
+    manual_axes: the mesh axes that are manual where the spec was made (inside
+      ``shard_map``): the leaves are local blocks along the dimensions these
+      axes split, global along the others.
     options: the options it was made under.
     notices: what the user should be warned about (routing surprises, degenerate
       matrices), each naming the leaves and the fix; the transformation's
@@ -192,9 +194,14 @@ class TreeSpec:
   """
 
   leaves: tuple[LeafSpec | None, ...]
-  manual: bool
+  manual_axes: frozenset[str]
   options: TreeOptions
   notices: tuple[str, ...] = ()
+
+  @property
+  def manual(self) -> bool:
+    """Whether the leaves are local blocks (inside ``shard_map``)."""
+    return bool(self.manual_axes)
 
   @functools.cached_property
   def muon_positions(self) -> tuple[int, ...]:
@@ -286,10 +293,10 @@ def tree_spec(tree: Any, options: TreeOptions) -> TreeSpec:
     ValueError: naming the leaf, for routing, dimension numbers or shardings
       that don't fit the tree, and for leaves Muon can't take.
   """
-  return _build(tree, options, inside_shard_map())
+  return _build(tree, options, manual_axes())
 
 
-def _build(tree: Any, options: TreeOptions, manual: bool) -> TreeSpec:
+def _build(tree: Any, options: TreeOptions, manual: frozenset[str]) -> TreeSpec:
   positions, _ = tree_utils.flatten_positions(tree)
   paths = [tree_utils.path_str(path) for path, _ in positions]
   dims = tree_utils.resolve_prefix(
@@ -329,7 +336,7 @@ def _build(tree: Any, options: TreeOptions, manual: bool) -> TreeSpec:
       continue
     shape = tuple(leaf.shape)
     if manual and s is not None:
-      shape = LeafSharding.of(s, len(shape)).global_shape(shape)
+      shape = LeafSharding.of(s, len(shape)).global_shape(shape, manual)
     typed = None if manual else typed_sharding(leaf)
     sharding = leaf_sharding(
         path, shape, typed, s, split_evenly=r.optimizer == MUON
@@ -379,7 +386,7 @@ def _build(tree: Any, options: TreeOptions, manual: bool) -> TreeSpec:
     )
   return TreeSpec(
       leaves=tuple(leaves),
-      manual=manual,
+      manual_axes=manual,
       options=options,
       notices=tuple(notices),
   )

@@ -4,6 +4,7 @@ rest, routed, shape-scaled and decayed exactly as ``muon``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,8 +27,12 @@ from optax_muon._src.core.spec import (
     static_or_injected,
 )
 from optax_muon._src.dion.settings import make_settings
-from optax_muon._src.dion.step import OVERSAMPLE
-from optax_muon._src.dion.transform import DionState, dion_direction
+from optax_muon._src.dion.matrix import OVERSAMPLE
+from optax_muon._src.dion.transform import (
+    DionReplicaState,
+    DionState,
+    dion_direction,
+)
 
 
 def dion(
@@ -57,6 +62,7 @@ def dion(
     seed: int = 0,
     product_dtype: jax.typing.DTypeLike | None = None,
     power_iterations: int = 1,
+    replica_axes: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion for the network's matrices, AdamW (NAdamW with ``nesterov``) for the
   rest.
@@ -87,10 +93,14 @@ def dion(
       ``muon``.
     param_shardings, cautious_weight_decay, qk_clip: as in ``muon``.
     oversample, seed, product_dtype, power_iterations: see ``scale_by_dion``.
+    replica_axes: the data-parallel mesh axis name(s) whose replicas sync only
+      rank-r factors (see ``scale_by_dion``); the AdamW leaves' gradients are
+      averaged over them. Every gradient leaf then comes per replica: under
+      ``jax.jit`` (replicas, *param shape) (``optax_muon.per_replica``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose matrix branch's state is
-    a ``DionState``.
+    a ``DionState`` (a ``DionReplicaState`` with ``replica_axes``).
 
   Raises:
     ValueError: for invalid options (naming the argument), and at ``init`` for
@@ -136,20 +146,18 @@ def dion(
       cautious_weight_decay=cautious_weight_decay,
       qk_clip=check_option("qk_clip", qk_clip, QKClip),
   )
+  settings = make_settings(
+      options,
+      rank_fraction,
+      oversample,
+      product_dtype,
+      power_iterations,
+      replica_axes,
+  )
   # muon's partition with Dion's direction in place of scale_by_muon.
   return matrices_and_adam(
       optax.chain(
-          dion_direction(
-              make_settings(
-                  options,
-                  rank_fraction,
-                  oversample,
-                  product_dtype,
-                  power_iterations,
-              ),
-              beta,
-              seed,
-          ),
+          dion_direction(settings, beta, seed),
           shape_scaling(branch_options(options), consistent_rms, scale),
           decayed_weights(
               weight_decay, weight_decay_mask, cautious=cautious_weight_decay
@@ -169,5 +177,6 @@ def dion(
           cautious=cautious_weight_decay,
       ),
       options,
-      keep=DionState,
+      keep=(DionState, DionReplicaState),
+      replica_axes=settings.replica_axes,
   )

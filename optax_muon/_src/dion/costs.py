@@ -1,13 +1,17 @@
 """What one Dion step costs per device, leaf by leaf: FLOPs, the collectives'
-received bytes and the modelled time (the ``CostModel`` Muon's plan uses).
+received bytes (those over the replica axes apart) and the modelled time (the
+``CostModel`` Muon's plan uses).
 
-Every product of ``dion_step`` runs on local blocks, so a device does 1/s of a
-leaf's products (s: the devices that split the leaf; replicas repeat them). The
-collectives are the partial sums of ``dion_step`` (all-reduces) and, where P has
-no more rows than the sketch, the all-gather of P's rows. Ring model, as
-``benchmarks/hlo_cost.py`` counts the compiled program: an all-reduce of B bytes
-over g devices receives 2·B·(g − 1)/g per device, an all-gather of B bytes in
-all B·(g − 1)/g.
+Every product of ``dion.step`` runs on local blocks, so a device does 1/s of a
+leaf's products (s: the devices that split the leaf; replicas repeat them); the
+small factorizations are shared out over the row group. The collectives are
+those of ``dion.step`` and ``dion.orthonormalization``. Ring model, as
+``benchmarks/hlo_cost.py`` counts the compiled program: over g devices, an
+all-reduce of B bytes receives 2·B·(g − 1)/g per device, an all-gather of B
+bytes in all B·(g − 1)/g, a reduce-scatter to B bytes B·(g − 1). Of a
+collective over replicas × other devices, the replica axes carry the share
+(replicas − 1)/(g − 1) of its bytes, what the collective moves across the
+replica axes when it runs over the other devices first.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from optax_muon._src.dion.step import DionMatrix
 from optax_muon._src.core.profiles import CostModel
+from optax_muon._src.dion.matrix import DionMatrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,13 +28,15 @@ class DionCost:
   """One leaf's Dion step on one device.
 
   Attributes:
-    flops: FLOPs per device (products as 2·m·n·k; decompositions by their
-      leading term).
+    flops: FLOPs per device (products as 2·m·n·k; factorizations by their
+      leading terms).
     collectives: per collective, the bytes a device receives.
+    replica_bytes: of those, the bytes that cross the replica axes.
   """
 
   flops: float
   collectives: tuple[float, ...]
+  replica_bytes: float = 0.0
 
   @property
   def received_bytes(self) -> float:
@@ -45,12 +51,29 @@ class DionCost:
     )
 
 
-def _all_reduce(nbytes: float, group: int) -> float:
-  return 2 * nbytes * (group - 1) / group
+class _Traffic:
+  """The collectives of one leaf's step as they are added up."""
 
+  def __init__(self):
+    self.collectives: list[float] = []
+    self.replica = 0.0
 
-def _all_gather(nbytes: float, group: int) -> float:
-  return nbytes * (group - 1) / group
+  def add(self, received: float, group: int, replicas: int = 1) -> None:
+    """A collective receiving ``received`` bytes per device over ``group``
+    devices, ``replicas`` of them along the replica axes."""
+    if received and group > 1:
+      self.collectives.append(received)
+      self.replica += received * (replicas - 1) / (group - 1)
+
+  def all_reduce(self, nbytes: float, group: int, replicas: int = 1) -> None:
+    self.add(2 * nbytes * (group - 1) / group, group, replicas)
+
+  def all_gather(self, nbytes: float, group: int) -> None:
+    self.add(nbytes * (group - 1) / group, group)
+
+  def reduce_scatter(self, nbytes: float, group: int) -> None:
+    """To ``nbytes`` per device."""
+    self.add(nbytes * (group - 1), group)
 
 
 def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
@@ -63,46 +86,51 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
   Returns:
     A ``DionCost``.
   """
-  shards = (
-      lambda dims: math.prod(matrix.mesh.shape[a] for a in matrix.axes_of(dims))
-      if matrix.mesh is not None
-      else 1
-  )
-  g_b, g_r, g_c = (
-      shards(matrix.batch_dims),
-      shards(matrix.row_dims),
-      shards(matrix.col_dims),
-  )
-  batch = math.prod(matrix.view[: matrix.batch]) / g_b
+  size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
+  g_r, g_c = size(matrix.row_axes), size(matrix.col_axes)
+  replicas = matrix.replicas
+  batch = matrix.local_batch if matrix.mesh is not None else matrix.count
   m, n, r, k = matrix.m, matrix.n, matrix.rank, matrix.sketch
   m_local, n_local = m / g_r, n / g_c
-  # Per power iteration M·Q and Mᵀ·P with P's orthonormalization; then P·Rᵀ
-  # (error feedback) and P·Qᵀ (the direction). Products on local blocks.
-  flops, collectives = 2 * 2 * m_local * n_local * r, [
-      _all_reduce(batch * r * itemsize, g_c)
-  ]
-  for _ in range(matrix.power_iterations):  # (R's column norms above)
-    flops += 2 * 2 * m_local * n_local * r
-    collectives += [
-        _all_reduce(batch * m_local * r * itemsize, g_c),  # P = M·Q
-        _all_reduce(batch * n_local * r * itemsize, g_r),
-    ]  # R = Mᵀ·P
-    if m <= k:  # P's rows gathered, Householder QR on every device
-      flops += 4 * m * r * r
-      collectives.append(_all_gather(batch * m * r * itemsize, g_r))
-    # sketch S·P, P·R₁⁻¹, Gram, P₁·L⁻ᵀ; the k × r QR and r × r factorizations
+  split = matrix.q_split is not None
+  traffic = _Traffic()
+  if matrix.replica_axes and not matrix.compressed:  # the averaged gradient
+    traffic.all_reduce(batch * m_local * n_local * itemsize, replicas, replicas)
+  if split:  # Q whole over the row axes
+    traffic.all_gather(batch * n_local * r * itemsize, g_r)
+  # P·Rᵀ (error feedback) and P·Qᵀ (the direction); per power iteration M·Q,
+  # Mᵀ·P and the orthonormalization.
+  flops = 2 * 2 * m_local * n_local * r * batch
+  owned = math.ceil(batch / g_r)  # factorizations shared over the row group
+  for _ in range(matrix.power_iterations):
+    flops += 2 * 2 * m_local * n_local * r * batch
+    p_bytes = batch * m_local * r * itemsize
+    if matrix.compressed:
+      traffic.all_reduce(p_bytes, g_c * replicas, replicas)
     else:
-      flops += (
-          2 * k * m_local * r
-          + 3 * 2 * m_local * r * r
-          + 2 * k * r * r
-          + 3 * r**3
-      )
-      collectives += [
-          _all_reduce(batch * k * r * itemsize, g_r),
-          _all_reduce(batch * r * r * itemsize, g_r),
-      ]
-  return DionCost(batch * flops, tuple(b for b in collectives if b))
+      traffic.all_reduce(p_bytes, g_c)
+    # sketch S·P (none for the identity), P·T₁, its Gram, P₁·T₂; the R factor
+    # (blocked Gram–Schmidt twice over) and the three r × r factorizations of
+    # the matrices this device owns.
+    sketching = 0 if matrix.identity_sketch else 2 * k * m_local * r
+    flops += batch * (sketching + 3 * 2 * m_local * r * r)
+    flops += owned * (4 * k * r * r + 3 * r**3)
+    traffic.reduce_scatter(owned * k * r * itemsize, g_r)
+    traffic.all_gather(owned * g_r * r * r * itemsize, g_r)
+    traffic.reduce_scatter(owned * r * r * itemsize, g_r)
+    traffic.all_gather(owned * g_r * r * r * itemsize, g_r)
+    r_bytes = batch * n_local * r * itemsize
+    if split:
+      traffic.reduce_scatter(r_bytes / g_r, g_r)
+      if matrix.compressed:
+        traffic.all_reduce(r_bytes / g_r, replicas, replicas)
+      traffic.all_gather(r_bytes, g_r)
+    elif matrix.compressed:
+      traffic.all_reduce(r_bytes, g_r * replicas, replicas)
+    else:
+      traffic.all_reduce(r_bytes, g_r)
+  traffic.all_reduce(batch * r * itemsize, g_c * (g_r if split else 1))
+  return DionCost(flops, tuple(traffic.collectives), traffic.replica)
 
 
 def step_seconds(leaf_costs: list[DionCost], model: CostModel) -> float:

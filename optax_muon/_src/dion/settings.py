@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from optax_muon._src.core import tree_utils
 from optax_muon._src.core.spec import TreeOptions, TreeSpec
-from optax_muon._src.dion.step import OVERSAMPLE, DionMatrix, rank_of
+from optax_muon._src.dion.matrix import OVERSAMPLE, DionMatrix, rank_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,6 +25,8 @@ class DionSettings:
     oversample: sketch rows per unit of rank.
     product_dtype: the dtype of the large products' operands, or None.
     power_iterations: subspace-iteration steps per optimizer step.
+    replica_axes: the data-parallel mesh axes whose replicas sync only rank-r
+      factors (empty: the gradients come averaged).
   """
 
   options: TreeOptions
@@ -32,6 +34,7 @@ class DionSettings:
   oversample: float = OVERSAMPLE
   product_dtype: Any = None
   power_iterations: int = 1
+  replica_axes: tuple[str, ...] = ()
 
   def matrices(self, spec: TreeSpec, tree: Any) -> list[DionMatrix]:
     """Each Muon leaf's ``DionMatrix`` (``spec`` built from ``options``)."""
@@ -42,6 +45,7 @@ class DionSettings:
         self.oversample,
         self.product_dtype,
         self.power_iterations,
+        self.replica_axes,
     )
 
 
@@ -63,12 +67,13 @@ def _matrices(
     oversample: float,
     product_dtype: Any = None,
     power_iterations: int = 1,
+    replica_axes: tuple[str, ...] = (),
 ) -> list[DionMatrix]:
   """Each Muon leaf's ``DionMatrix``, its rank from ``rank_fraction``.
 
   Raises:
-    ValueError: for a complex leaf or a rank fraction outside (0, 1], naming the
-      leaf.
+    ValueError: for a complex leaf, a rank fraction outside (0, 1], or replica
+      axes on a leaf without a mesh or that split it, naming the leaf.
   """
   if (
       not spec.muon_positions
@@ -87,18 +92,37 @@ def _matrices(
       )
     fraction = 1.0 if fractions[i] is None else fractions[i]
     _check_fraction(fraction, leaf.path)
+    if replica_axes:
+      _check_replica_axes(leaf, replica_axes)
     out.append(
         DionMatrix.of(
             leaf.layout,
             leaf.sharding,
             rank_of(fraction, leaf.layout),
             oversample=oversample,
-            manual=spec.manual,
+            replica_axes=replica_axes,
             product_dtype=product_dtype,
             power_iterations=power_iterations,
         )
     )
   return out
+
+
+def _check_replica_axes(leaf: Any, replica_axes: tuple[str, ...]) -> None:
+  """Raises: ValueError unless the leaf lies on a mesh with every replica
+  axis."""
+  mesh = None if leaf.sharding is None else leaf.sharding.mesh
+  if mesh is None:
+    raise ValueError(
+        f"{leaf.path}: replica_axes={replica_axes} needs the params' mesh: give"
+        " the params a NamedSharding (Explicit meshes) or pass param_shardings."
+    )
+  missing = [a for a in replica_axes if a not in mesh.shape]
+  if missing:
+    raise ValueError(
+        f"{leaf.path}: replica axes {missing} are not axes of the params' mesh"
+        f" {dict(mesh.shape)}."
+    )
 
 
 def make_settings(
@@ -107,12 +131,13 @@ def make_settings(
     oversample: float,
     product_dtype: Any,
     power_iterations: Any,
+    replica_axes: Any = None,
 ) -> DionSettings:
   """``DionSettings`` from the user's arguments, checked.
 
   Raises:
-    ValueError: for a rank fraction, product dtype or iteration count out of
-      range.
+    ValueError: for a rank fraction, product dtype, iteration count or replica
+      axes out of range.
   """
   return DionSettings(
       options=options,
@@ -120,7 +145,33 @@ def make_settings(
       oversample=oversample,
       product_dtype=_product_dtype(product_dtype),
       power_iterations=_power_iterations(power_iterations),
+      replica_axes=replica_axes_of(replica_axes),
   )
+
+
+def replica_axes_of(axes: Any) -> tuple[str, ...]:
+  """``replica_axes`` as a tuple of names (None: none).
+
+  Raises:
+    ValueError: for anything but a name, a sequence of distinct names or None.
+  """
+  if axes is None:
+    return ()
+  names = (axes,) if isinstance(axes, str) else axes
+  try:
+    names = tuple(names)
+  except TypeError:
+    names = None
+  if (
+      names is None
+      or not all(isinstance(a, str) for a in names)
+      or len(set(names)) != len(names)
+  ):
+    raise ValueError(
+        "replica_axes must be a mesh axis name, a sequence of distinct names or"
+        f" None, got {axes!r}."
+    )
+  return names
 
 
 def _product_dtype(dtype: Any) -> Any:

@@ -1,30 +1,32 @@
-"""One Dion step on one leaf, where the leaf lies: every product on the local
-blocks.
+"""One Dion step of every matrix leaf, as each device runs it: local blocks in,
+local blocks out, every sum a collective by mesh-axis name.
 
-A leaf is seen as ``batch`` matrices of ``rows × cols`` (the layout's
-Newton–Schulz orientation: rows the short side), without reshaping: it is
-transposed to the axis order (batch axes, row axes, column axes), which moves
-nothing between devices, and every product is an ``einsum`` over those axes.
-With r the rank, per matrix::
+Per matrix (rows × cols in view order, see ``dion.matrix``), with r the rank::
 
-  M = B + G                (rows × cols, sharded like the param)
-  P = M·Q                  (rows × r: sharded like the rows)
-  P ← orthonormalize(P)    (randomized Cholesky-QR)
-  R = Mᵀ·P                 (cols × r: sharded like the columns)
-  B ← M − (1 − μ)·P·Rᵀ     (error feedback)
-  Q ← R, unit columns      (the state keeps the old Q for zero columns)
-  direction = P·Qᵀ         (zero columns of R contribute nothing)
+  M = B + G                 (rows × cols, sharded like the param)
+  P = M·Q                   (rows × r: sharded like the rows, summed over the
+                            column axes)
+  P ← orthonormalize(P)     (``dion.orthonormalization``)
+  R = Mᵀ·P                  (cols × r: summed over the row axes, scattered over
+                            them where Q is split over them)
+  B ← M − (1 − μ)·P·Rᵀ      (error feedback)
+  Q ← R, unit columns       (the state keeps the old Q for zero columns)
+  direction = P·Qᵀ          (zero columns of R contribute nothing)
 
-Each product's output sharding is stated (``out_sharding`` on Explicit meshes, a
-sharding constraint on Auto meshes), so the partitioner contracts local blocks
-and sums the small partial results (P and R, the r × r Grams, the column norms)
-instead of gathering M. Inside a ``shard_map`` the leaves are the local blocks
-and the same sums are ``psum``s by axis name.
+With replicas (data parallelism) each replica's G is its own. A compressed
+matrix keeps a buffer per replica and P's and R's sums run over the replica
+axes too, divided by the replica count: P = mean(Mᵢ)·Q and R = mean(Mᵢ)ᵀ·P are
+linear in the mean, so the step equals Dion's on the averaged gradient and the
+mean of the buffers follows the averaged buffer's recursion. Other matrices
+average the gradient over the replicas and keep equal buffers.
+
+``run_step`` runs the step under ``jax.shard_map`` over the mesh axes that are
+not manual yet (all of them under ``jax.jit``, none inside a user's
+``shard_map`` over every axis).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -32,460 +34,315 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from optax_muon._src.core.matrices import MatrixLayout
-from optax_muon._src.core.sharding import LeafSharding
+from optax_muon._src.dion.matrix import DionMatrix
+from optax_muon._src.dion.orthonormalization import orthonormalize
 
-#: Sketch rows per unit of rank in the randomized Cholesky-QR (microsoft/dion's
-#: default).
-OVERSAMPLE = 1.25
-#: Diagonal entries of the sketch's R below this fraction of its largest are
-#: raised to it:
-#: a rank-deficient P then gives finite (zero or bounded) columns instead of
-#: infinities.
-DIAGONAL_FLOOR = 1e-6
-#: The Cholesky factorization of the Gram matrix G is taken of G + ε·(tr G /
-#: r)·I.
-CHOLESKY_SHIFT = 1e-6
-
-_BATCH, _ROWS, _COLS = "abcdefg", "hijkl", "mnopq"
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def rank_of(fraction: float, layout: MatrixLayout) -> int:
-  """The rank for a matrix: ``ceil(fraction · min(m, n))``, at least 1 (0 for
-  empty)."""
-  short = min(layout.n_in, layout.n_out)
-  if short == 0:
-    return 0
-  return min(short, max(1, math.ceil(fraction * short - 1e-9)))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DionMatrix:
-  """Static facts of one leaf for Dion: its axes, its rank and where its
-  products live.
-
-  Attributes:
-    path: the leaf's path, for messages.
-    perm: the leaf's axes in the order (batch axes, row axes, column axes).
-    view: the leaf's shape in that order.
-    batch, rows, cols: how many axes of each kind.
-    rank: r.
-    sketch: rows of the random sketch, ``ceil(oversample · r)``.
-    dim_axes: per axis of ``view``, the mesh axes that split it (empty without
-      sharding).
-    mesh: the mesh, or None without sharding.
-    manual: whether the arrays are local blocks (inside ``shard_map``).
-    product_dtype: the operands' dtype of the four m × n × r products
-      (accumulated in the state's dtype), or None: the state's dtype at full
-      precision.
-    power_iterations: subspace-iteration steps per optimizer step (Dion: 1).
-  """
-
-  path: str
-  perm: tuple[int, ...]
-  view: tuple[int, ...]
-  batch: int
-  rows: int
-  cols: int
-  rank: int
-  sketch: int
-  dim_axes: tuple[tuple[str, ...], ...]
-  mesh: Any = None
-  manual: bool = False
-  product_dtype: Any = None
-  power_iterations: int = 1
-
-  @classmethod
-  def of(
-      cls,
-      layout: MatrixLayout,
-      sharding: LeafSharding | None,
-      rank: int,
-      *,
-      oversample: float = OVERSAMPLE,
-      manual: bool = False,
-      product_dtype: Any = None,
-      power_iterations: int = 1,
-  ) -> DionMatrix:
-    rows, cols = layout.reduction_axes, layout.output_axes
-    if layout.transposed:
-      rows, cols = cols, rows
-    perm = layout.batch_axes + rows + cols
-    if len(layout.batch_axes) > len(_BATCH) or max(len(rows), len(cols)) > len(
-        _ROWS
-    ):
-      raise ValueError(
-          f"{layout.path}: Dion takes up to {len(_BATCH)} batch axes and "
-          f"{len(_ROWS)} axes per matrix side; got shape {layout.shape}."
-      )
-    dim_axes = tuple(
-        () if sharding is None else sharding.dim_axes[a] for a in perm
-    )
-    return cls(
-        path=layout.path,
-        perm=perm,
-        view=tuple(layout.shape[a] for a in perm),
-        batch=len(layout.batch_axes),
-        rows=len(rows),
-        cols=len(cols),
-        rank=rank,
-        sketch=math.ceil(oversample * rank),
-        dim_axes=dim_axes,
-        mesh=None if sharding is None else sharding.mesh,
-        manual=manual and sharding is not None,
-        product_dtype=product_dtype,
-        power_iterations=power_iterations,
-    )
-
-  @property
-  def b(self) -> str:
-    return _BATCH[: self.batch]
-
-  @property
-  def i(self) -> str:
-    return _ROWS[: self.rows]
-
-  @property
-  def o(self) -> str:
-    return _COLS[: self.cols]
-
-  @property
-  def m(self) -> int:
-    """Rows per matrix."""
-    return math.prod(self.view[self.batch : self.batch + self.rows])
-
-  @property
-  def n(self) -> int:
-    """Columns per matrix."""
-    return math.prod(self.view[self.batch + self.rows :])
-
-  @property
-  def row_dims(self) -> tuple[int, ...]:
-    return tuple(range(self.batch, self.batch + self.rows))
-
-  @property
-  def col_dims(self) -> tuple[int, ...]:
-    return tuple(range(self.batch + self.rows, len(self.view)))
-
-  @property
-  def q_shape(self) -> tuple[int, ...]:
-    """The right factor Q: (batch…, cols…, r)."""
-    return (
-        self.view[: self.batch]
-        + self.view[self.batch + self.rows :]
-        + (self.rank,)
-    )
-
-  def spec(
-      self, dims: tuple[int, ...], extra: int = 0, lead: int = 0
-  ) -> PartitionSpec:
-    """The PartitionSpec of an array with ``lead`` unsharded axes, then the view
-    axes ``dims``, then ``extra`` unsharded axes."""
-    entries = [()] * lead + [self.dim_axes[d] for d in dims] + [()] * extra
-    return PartitionSpec(
-        *[None if not a else a[0] if len(a) == 1 else a for a in entries]
-    )
-
-  @property
-  def batch_dims(self) -> tuple[int, ...]:
-    return tuple(range(self.batch))
-
-  @property
-  def explicit(self) -> bool:
-    return self.mesh is not None and all(
-        t == AxisType.Explicit for t in self.mesh.axis_types
-    )
-
-  def axes_of(self, dims: tuple[int, ...]) -> tuple[str, ...]:
-    """The mesh axes that split any of the view's ``dims``."""
-    return tuple(sorted({a for d in dims for a in self.dim_axes[d]}))
-
-  def _dims_of(self, letters: str) -> tuple[int, ...]:
-    """The view dims that ``einsum`` letters name (r, s, t name none)."""
-    starts = (
-        (_BATCH, 0, self.batch),
-        (_ROWS, self.batch, self.rows),
-        (_COLS, self.batch + self.rows, self.cols),
-    )
-    return tuple(
-        start + group.index(c)
-        for c in letters
-        for group, start, n in starts
-        if c in group[:n]
-    )
-
-  def summed(self, x: jax.Array, dims: tuple[int, ...]) -> jax.Array:
-    """Inside ``shard_map``: the sum of the partial results ``x`` over the
-    devices that split the view's ``dims``; otherwise ``x``."""
-    axes = self.axes_of(dims) if self.manual else ()
-    return jax.lax.psum(x, axes) if axes else x
-
-  def local_block(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """Inside ``shard_map``: this device's block of the whole array ``x`` laid
-    out by ``spec``; otherwise ``x``."""
-    if not self.manual:
-      return x
-    for axis, entry in enumerate(spec):
-      if entry is None:
-        continue
-      names = (entry,) if isinstance(entry, str) else tuple(entry)
-      size = x.shape[axis] // math.prod(self.mesh.shape[a] for a in names)
-      x = jax.lax.dynamic_slice_in_dim(
-          x, jax.lax.axis_index(names) * size, size, axis
-      )
-    return x
-
-  def gathered(self, x: jax.Array, dims: tuple[int, ...]) -> jax.Array:
-    """Inside ``shard_map``: ``x`` whole along the view's ``dims`` (which must
-    be ``x``'s axes of the same index); otherwise ``x``."""
-    if not self.manual:
-      return x
-    for dim in dims:
-      if self.dim_axes[dim]:
-        x = jax.lax.all_gather(x, self.dim_axes[dim], axis=dim, tiled=True)
-    return x
-
-  def placed(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """``x`` laid out by ``spec`` (a no-op without a mesh or inside
-    ``shard_map``)."""
-    if self.mesh is None or self.manual:
-      return x
-    if self.explicit:
-      return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
-  def einsum(
-      self,
-      subscripts: str,
-      a: jax.Array,
-      b: jax.Array,
-      spec: PartitionSpec,
-      large: bool = False,
-  ) -> jax.Array:
-    """``jnp.einsum`` whose output lies by ``spec``: contracted sharded axes are
-    summed over their devices, nothing is gathered. ``large``: one of the four m
-    × n × r products, whose operands go in at ``product_dtype`` where one is
-    set."""
-    kwargs = dict(precision=_HIGHEST)
-    if large and self.product_dtype is not None:
-      kwargs = dict(preferred_element_type=a.dtype)
-      a, b = a.astype(self.product_dtype), b.astype(self.product_dtype)
-    if self.mesh is None:
-      return jnp.einsum(subscripts, a, b, **kwargs)
-    if self.manual:
-      inputs, output = subscripts.split("->")
-      contracted = "".join(sorted(set(inputs.replace(",", "")) - set(output)))
-      return self.summed(
-          jnp.einsum(subscripts, a, b, **kwargs), self._dims_of(contracted)
-      )
-    if self.explicit:
-      return jnp.einsum(
-          subscripts,
-          a,
-          b,
-          out_sharding=NamedSharding(self.mesh, spec),
-          **kwargs,
-      )
-    return self.placed(jnp.einsum(subscripts, a, b, **kwargs), spec)
-
-  def per_block(self, fn, x: jax.Array) -> jax.Array:
-    """``fn`` of a (batch…, a, b) array that is whole on every device but for
-    its batch axes, run on each device's batch block (``shard_map``): the
-    partitioner then never has to split or gather a decomposition."""
-    if self.mesh is None or self.manual:
-      return fn(x)
-    spec = self.spec(self.batch_dims, 2)
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec)(x)
-
-  def normal(
-      self,
-      key: jax.Array,
-      shape: tuple[int, ...],
-      dtype: Any,
-      spec: PartitionSpec,
-  ) -> jax.Array:
-    """Standard normal values of the whole ``shape`` laid out by ``spec``
-    (inside ``shard_map``: this device's block); the same values on any mesh."""
-    if self.manual:
-      return self.local_block(jax.random.normal(key, shape, dtype), spec)
-    if self.explicit:
-      return jax.random.normal(
-          key, shape, dtype, out_sharding=NamedSharding(self.mesh, spec)
-      )
-    return self.placed(jax.random.normal(key, shape, dtype), spec)
-
-
-def initial_q(matrix: DionMatrix, key: jax.Array, dtype: Any) -> jax.Array:
-  """A random Q with unit columns, laid out like the param's columns."""
-  q = matrix.normal(key, matrix.q_shape, dtype, _q_spec(matrix))
-  return q / column_norms(q, matrix)
-
-
-def column_norms(q: jax.Array, matrix: DionMatrix) -> jax.Array:
-  """The Euclidean norm of each column of a (batch…, cols…, r) array, keeping
-  its dims."""
-  return jnp.sqrt(
-      matrix.summed(
-          jnp.sum(q * q, axis=_q_col_dims(matrix), keepdims=True),
-          matrix.col_dims,
-      )
+def _product(
+    matrix: DionMatrix, subscripts: str, a: jax.Array, b: jax.Array
+) -> jax.Array:
+  """One of the four m × n × r products, its operands at ``product_dtype``
+  (accumulated in the state's dtype) where one is set."""
+  if matrix.product_dtype is None:
+    return jnp.einsum(subscripts, a, b, precision=_HIGHEST)
+  return jnp.einsum(
+      subscripts,
+      a.astype(matrix.product_dtype),
+      b.astype(matrix.product_dtype),
+      preferred_element_type=a.dtype,
   )
+
+
+def _psum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  return jax.lax.psum(x, axes) if axes else x
 
 
 def _q_col_dims(matrix: DionMatrix) -> tuple[int, ...]:
   return tuple(range(matrix.batch, matrix.batch + matrix.cols))
 
 
-def _q_spec(matrix: DionMatrix) -> PartitionSpec:
-  return matrix.spec(matrix.batch_dims + matrix.col_dims, 1)
+def _norm_axes(matrix: DionMatrix) -> tuple[str, ...]:
+  """The mesh axes that split Q's columns (R's column norms sum over them)."""
+  return tuple(a for d in _q_col_dims(matrix) for a in matrix.q_dim_axes[d])
 
 
-def _inverse_upper(r: jax.Array) -> jax.Array:
-  """R⁻¹ of a batch of upper-triangular r × r matrices."""
-  eye = jnp.broadcast_to(jnp.eye(r.shape[-1], dtype=r.dtype), r.shape)
-  return jax.scipy.linalg.solve_triangular(r, eye, lower=False)
-
-
-def _sketch_inverse(sp: jax.Array) -> jax.Array:
-  """T₁ = R₁⁻¹ with R₁ the QR factor of S·P (its tiny diagonal entries raised),
-  so that P·T₁ is well conditioned. (batch…, k, r) → (batch…, r, r)."""
-  scale = jnp.max(jnp.abs(sp), axis=(-2, -1), keepdims=True)
-  scale = jnp.where(scale > 0, scale, 1)
-  r1 = jnp.linalg.qr(sp / scale, mode="r")
-  diag = jnp.diagonal(r1, axis1=-2, axis2=-1)
-  floor = DIAGONAL_FLOOR * jnp.max(jnp.abs(diag), axis=-1, keepdims=True)
-  floor = jnp.where(floor > 0, floor, 1)
-  raised = jnp.where(
-      jnp.abs(diag) < floor, jnp.where(diag < 0, -floor, floor), diag
+def _gathered(matrix: DionMatrix, shard: jax.Array) -> jax.Array:
+  """Q or R (batch…, cols…, r) whole over the row axes (as the param's columns
+  lie)."""
+  if matrix.q_split is None:
+    return shard
+  return jax.lax.all_gather(
+      shard, matrix.row_axes, axis=matrix.q_axis, tiled=True
   )
-  r1 = r1 + (raised - diag)[..., None] * jnp.eye(r1.shape[-1], dtype=r1.dtype)
-  return _inverse_upper(r1) / scale
 
 
-def _cholesky_inverse(gram: jax.Array) -> jax.Array:
-  """L⁻ᵀ with LLᵀ = G + ε·(tr G / r)·I. (batch…, r, r) → (batch…, r, r)."""
-  trace = jnp.mean(jnp.diagonal(gram, axis1=-2, axis2=-1), axis=-1)[
-      ..., None, None
-  ]
-  shift = CHOLESKY_SHIFT * jnp.where(trace > 0, trace, 1)
-  lower = jnp.linalg.cholesky(
-      gram + shift * jnp.eye(gram.shape[-1], dtype=gram.dtype)
-  )
-  return _inverse_upper(jnp.swapaxes(lower, -1, -2))
-
-
-def orthonormalize(
-    p: jax.Array, key: jax.Array, matrix: DionMatrix
-) -> jax.Array:
-  """Orthonormal columns spanning those of ``p``, by randomized Cholesky-QR.
-
-  Where P has no more rows than the sketch would (m ≤ k), P's rows are gathered
-  and its Householder QR taken instead. Otherwise a Gaussian sketch S (k × rows,
-  k = oversample·r) gives S·P, whose QR factor R₁ makes P₁ = P·R₁⁻¹ well
-  conditioned whatever P's conditioning; one Cholesky-QR of P₁ then
-  orthonormalizes it. Only k × r and r × r values cross devices (m × r with the
-  QR).
-
-  Args:
-    p: (batch…, rows…, r), laid out like the param's rows.
-    key: the sketch's key.
-    matrix: the leaf's static facts.
-
-  Returns:
-    P₂ = P·T (T upper triangular) with P₂ᵀP₂ = I for full-rank P; finite for any
-    finite P (columns beyond P's rank come out small or zero).
-  """
-  b, i = matrix.b, matrix.i
-  small = matrix.spec(matrix.batch_dims, 2)
-  p_spec = matrix.spec(matrix.batch_dims + matrix.row_dims, 1)
-  if matrix.m <= matrix.sketch:
-    # A sketch would be no shorter than P: gather P's rows (m·r values) and take
-    # its QR.
-    whole = matrix.gathered(
-        matrix.placed(p, matrix.spec(matrix.batch_dims, matrix.rows + 1)),
-        matrix.row_dims,
+def _r_shard(matrix: DionMatrix, part: jax.Array) -> jax.Array:
+  """R's partial sums (batch…, cols…, r) summed over the row axes (and the
+  replicas, averaged, for a compressed matrix), laid out like Q."""
+  if matrix.q_split is not None:
+    part = jax.lax.psum_scatter(
+        part, matrix.row_axes, scatter_dimension=matrix.q_axis, tiled=True
     )
-    flat = whole.reshape(whole.shape[: matrix.batch] + (matrix.m, matrix.rank))
-    q = matrix.per_block(lambda x: jnp.linalg.qr(x)[0], flat).reshape(
-        whole.shape
-    )
-    return matrix.placed(
-        matrix.local_block(q, matrix.spec(matrix.row_dims, 1, matrix.batch)),
-        p_spec,
-    )
-  # 1. Sketch: S·P, summed over the row blocks.
-  sketch = matrix.normal(
-      key,
-      (matrix.sketch,) + matrix.view[matrix.batch :][: matrix.rows],
-      p.dtype,
-      matrix.spec(matrix.row_dims, lead=1),
-  )
-  sp = matrix.einsum(f"t{i},{b}{i}r->{b}tr", sketch, p, small)
-  # 2. P₁ = P·R₁⁻¹, R₁ the QR factor of S·P.
-  p1 = matrix.einsum(
-      f"{b}{i}r,{b}rs->{b}{i}s",
-      p,
-      matrix.per_block(_sketch_inverse, sp),
-      p_spec,
-  )
-  # 3. Cholesky-QR of P₁: G = P₁ᵀP₁ = LLᵀ, P₂ = P₁·L⁻ᵀ.
-  gram = matrix.einsum(f"{b}{i}r,{b}{i}s->{b}rs", p1, p1, small)
-  return matrix.einsum(
-      f"{b}{i}r,{b}rs->{b}{i}s",
-      p1,
-      matrix.per_block(_cholesky_inverse, gram),
-      p_spec,
-  )
+  else:
+    part = _psum(part, matrix.row_axes)
+  if matrix.compressed:
+    part = jax.lax.psum(part, matrix.replica_axes) / matrix.replicas
+  return part
 
 
-def dion_step(
-    grad: jax.Array,
-    momentum: jax.Array,
-    q: jax.Array,
+def _p(matrix: DionMatrix, m: jax.Array, r: jax.Array) -> jax.Array:
+  """P = M·R, summed over the column axes (and averaged over the replicas for
+  a compressed matrix)."""
+  b, i, o = matrix.b, matrix.i, matrix.o
+  p = _product(matrix, f"{b}{i}{o},{b}{o}r->{b}{i}r", m, r)
+  if matrix.compressed:
+    return jax.lax.psum(p, matrix.col_axes + matrix.replica_axes) / (
+        matrix.replicas
+    )
+  return _psum(p, matrix.col_axes)
+
+
+def local_step(
+    matrices: list[DionMatrix],
+    grads: list[jax.Array],
+    momenta: list[jax.Array],
+    qs: list[jax.Array],
     beta: Any,
     key: jax.Array,
-    matrix: DionMatrix,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """One Dion step of one leaf.
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+  """Dion's step of every leaf on this device's blocks.
+
+  Every mesh axis a leaf's step runs over must be manual here.
 
   Args:
-    grad: the gradient, the leaf's shape.
-    momentum: the buffer B, the leaf's shape and the state's dtype.
-    q: the right factor, ``matrix.q_shape``.
+    matrices: the leaves' static facts.
+    grads: per leaf this device's block of G in the leaf's axis order (with a
+      leading replica axis of size 1 where the leaf has replicas).
+    momenta: the buffers B, the same (the state's dtype).
+    qs: this device's blocks of Q (``DionMatrix.q_shape``, laid out by
+      ``q_spec``).
     beta: μ, the momentum decay; may be traced.
-    key: the sketch's key for this step and leaf.
-    matrix: the leaf's static facts.
+    key: this step's key (each leaf's sketch key folds in its position).
 
   Returns:
-    (direction P·Qᵀ in the leaf's shape and the state's dtype, new B, new Q).
+    Per leaf (direction P·Qᵀ in the leaf's axis order and the state's dtype,
+    new B, new Q), as local blocks.
   """
-  b, i, o = matrix.b, matrix.i, matrix.o
-  back = tuple(sorted(range(len(matrix.perm)), key=lambda a: matrix.perm[a]))
-  m_spec = matrix.spec(tuple(range(len(matrix.view))))
-  p_spec = matrix.spec(matrix.batch_dims + matrix.row_dims, 1)
-  q_spec = _q_spec(matrix)
-  m = jnp.transpose(momentum, matrix.perm) + jnp.transpose(
-      grad, matrix.perm
-  ).astype(momentum.dtype)
-  r = q
-  for k in range(
-      matrix.power_iterations
-  ):  # P = orth(M·R), R = Mᵀ·P; R starts from Q
-    p = matrix.einsum(f"{b}{i}{o},{b}{o}r->{b}{i}r", m, r, p_spec, large=True)
-    p = orthonormalize(p, jax.random.fold_in(key, k) if k else key, matrix)
-    r = matrix.einsum(f"{b}{i}{o},{b}{i}r->{b}{o}r", m, p, q_spec, large=True)
-  new_m = m - (1 - beta) * matrix.einsum(
-      f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, r, m_spec, large=True
+  ms = []
+  for matrix, g, b in zip(matrices, grads, momenta):
+    if matrix.replica_axes:
+      g, b = g[0], b[0]
+    g = jnp.transpose(g, matrix.perm).astype(b.dtype)
+    if matrix.replica_axes and not matrix.compressed:
+      g = jax.lax.psum(g, matrix.replica_axes) / matrix.replicas
+    ms.append(jnp.transpose(b, matrix.perm) + g)
+  rs = [_gathered(mx, q) for mx, q in zip(matrices, qs)]
+  keys = [jax.random.fold_in(key, k) for k in range(len(matrices))]
+  iterations = max((mx.power_iterations for mx in matrices), default=0)
+  for it in range(iterations):
+    ps = [_p(mx, m, r) for mx, m, r in zip(matrices, ms, rs)]
+    ps = orthonormalize(
+        matrices, ps, [jax.random.fold_in(k, it) if it else k for k in keys]
+    )
+    shards = [
+        _r_shard(
+            mx,
+            _product(
+                mx, f"{mx.b}{mx.i}{mx.o},{mx.b}{mx.i}r->{mx.b}{mx.o}r", m, p
+            ),
+        )
+        for mx, m, p in zip(matrices, ms, ps)
+    ]
+    rs = [_gathered(mx, s) for mx, s in zip(matrices, shards)]
+  directions, new_momenta, new_qs = [], [], []
+  for matrix, m, p, r, shard, q, b in zip(
+      matrices, ms, ps, rs, shards, qs, momenta
+  ):
+    outer = f"{matrix.b}{matrix.i}r,{matrix.b}{matrix.o}r->{matrix.b}{matrix.i}{matrix.o}"
+    new_m = m - (1 - beta) * _product(matrix, outer, p, r)
+    norms = jnp.sqrt(
+        _psum(
+            jnp.sum(shard * shard, axis=_q_col_dims(matrix), keepdims=True),
+            _norm_axes(matrix),
+        )
+    )
+    safe = jnp.where(norms > 0, norms, 1)  # a zero column stays zero
+    direction = _product(matrix, outer, p, r / safe)
+    new_m = jnp.transpose(new_m, matrix.back).astype(b.dtype)
+    directions.append(jnp.transpose(direction, matrix.back))
+    new_momenta.append(new_m[None] if matrix.replica_axes else new_m)
+    new_qs.append(jnp.where(norms > 0, shard / safe, q))
+  return directions, new_momenta, new_qs
+
+
+def _restricted(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
+  """``spec`` naming only ``axes`` (the others are already manual, or not
+  there)."""
+  entries = []
+  for entry in spec:
+    names = (
+        () if entry is None else (entry,) if isinstance(entry, str) else entry
+    )
+    kept = tuple(a for a in names if a in axes)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return PartitionSpec(*entries)
+
+
+def run_step(
+    matrices: list[DionMatrix],
+    grads: list[jax.Array],
+    momenta: list[jax.Array],
+    qs: list[jax.Array],
+    beta: Any,
+    key: jax.Array,
+    manual: frozenset[str],
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+  """``local_step`` of every leaf, under ``jax.shard_map`` over the mesh axes
+  its leaves run over that are not ``manual`` yet.
+
+  Args:
+    matrices, momenta, qs, beta, key: as ``local_step``'s (global arrays
+      along the axes that are not manual).
+    grads: per leaf G: with replicas, under ``jax.jit`` a leading replica axis
+      of the replica count; where the replica axes are manual, the replica's
+      own block, shaped like the param's.
+    manual: the mesh axes that are manual here.
+
+  Returns:
+    As ``local_step``.
+  """
+  grads = [
+      g[None] if mx.replica_axes and g.ndim == len(mx.perm) else g
+      for mx, g in zip(matrices, grads)
+  ]
+  sharded = [k for k, mx in enumerate(matrices) if mx.mesh is not None]
+  todo = frozenset().union(*(matrices[k].used_axes for k in sharded)) - manual
+  if not todo:
+    return local_step(matrices, grads, momenta, qs, beta, key)
+  unsharded = [k for k in range(len(matrices)) if k not in sharded]
+  out = [[None] * len(matrices) for _ in range(3)]
+  if unsharded:
+    pick = lambda xs, ks: [xs[k] for k in ks]
+    for k, d, b, q in zip(
+        unsharded,
+        *local_step(
+            pick(matrices, unsharded),
+            pick(grads, unsharded),
+            pick(momenta, unsharded),
+            pick(qs, unsharded),
+            beta,
+            key,
+        ),
+    ):
+      out[0][k], out[1][k], out[2][k] = d, b, q
+  chosen = [matrices[k] for k in sharded]
+  mesh = jax.sharding.get_abstract_mesh() if manual else chosen[0].mesh
+  leaf = [_restricted(mx.leaf_spec(), todo) for mx in chosen]
+  state = [
+      _restricted(mx.leaf_spec(bool(mx.replica_axes)), todo) for mx in chosen
+  ]
+  q = [_restricted(mx.q_spec, todo) for mx in chosen]
+
+  def body(grads, momenta, qs, beta, key):
+    return tuple(map(tuple, local_step(chosen, grads, momenta, qs, beta, key)))
+
+  # check_vma=False: the direction and Q are the same on every device of the
+  # axes their out_specs leave out (sums by psum, gathers by all_gather), which
+  # JAX's type system cannot tell for the results of the factorizations.
+  directions, new_momenta, new_qs = jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(
+          tuple(state),
+          tuple(state),
+          tuple(q),
+          PartitionSpec(),
+          PartitionSpec(),
+      ),
+      out_specs=(tuple(leaf), tuple(state), tuple(q)),
+      axis_names=todo,
+      check_vma=False,
+  )(
+      tuple(grads[k] for k in sharded),
+      tuple(momenta[k] for k in sharded),
+      tuple(qs[k] for k in sharded),
+      jnp.asarray(beta, jnp.float32),
+      key,
   )
-  norms = column_norms(r, matrix)
-  unit = r / jnp.where(norms > 0, norms, 1)  # a zero column stays zero
-  direction = matrix.einsum(
-      f"{b}{i}r,{b}{o}r->{b}{i}{o}", p, unit, m_spec, large=True
-  )
-  new_q = jnp.where(norms > 0, unit, q)
-  return (
-      jnp.transpose(direction, back),
-      jnp.transpose(new_m, back).astype(momentum.dtype),
-      new_q,
-  )
+  for j, k in enumerate(sharded):
+    out[0][k], out[1][k], out[2][k] = directions[j], new_momenta[j], new_qs[j]
+  return out[0], out[1], out[2]
+
+
+# ------------------------------------------------------------------ the state
+
+
+def _place(x: jax.Array, mesh: Any, spec: PartitionSpec) -> jax.Array:
+  """``x`` laid out by ``spec`` under a trace (a type on Explicit meshes, a
+  constraint on Auto ones), or put there when concrete."""
+  sharding = NamedSharding(mesh, spec)
+  if not isinstance(x, jax.core.Tracer):
+    if isinstance(mesh, jax.sharding.Mesh):
+      return jax.device_put(x, sharding)
+    return x
+  if all(t == AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _local_block(
+    x: jax.Array,
+    dim_axes: tuple[tuple[str, ...], ...],
+    mesh: Any,
+    manual: frozenset[str],
+) -> jax.Array:
+  """This device's block of the whole array ``x`` along the ``manual`` axes
+  that split it."""
+  for dim, axes in enumerate(dim_axes):
+    axes = tuple(a for a in axes if a in manual)
+    if not axes:
+      continue
+    size = x.shape[dim] // math.prod(mesh.shape[a] for a in axes)
+    x = jax.lax.dynamic_slice_in_dim(
+        x, jax.lax.axis_index(axes) * size, size, dim
+    )
+  return x
+
+
+def initial_q(
+    matrix: DionMatrix, key: jax.Array, dtype: Any, manual: frozenset[str]
+) -> jax.Array:
+  """A random Q with unit columns, laid out by ``matrix.q_spec``: the same
+  values on any mesh (inside ``shard_map``, this device's block of them)."""
+  q = jax.random.normal(key, matrix.q_shape, dtype)
+  if matrix.mesh is None:
+    return q / jnp.linalg.norm(q, axis=_q_col_dims(matrix), keepdims=True)
+  if manual:
+    q = _local_block(q, matrix.q_dim_axes, matrix.mesh, manual)
+  else:
+    q = _place(q, matrix.mesh, matrix.q_spec)
+  squares = jnp.sum(q * q, axis=_q_col_dims(matrix), keepdims=True)
+  axes = tuple(a for a in _norm_axes(matrix) if a in manual)
+  return q / jnp.sqrt(_psum(squares, axes))
+
+
+def initial_momentum(
+    matrix: DionMatrix,
+    shape: tuple[int, ...],
+    dtype: Any,
+    manual: frozenset[str],
+) -> jax.Array:
+  """Zeros for the buffer B: the leaf's (local) ``shape``, after a replica axis
+  where the leaf has replicas (its local size 1 where the replica axes are
+  manual)."""
+  if not matrix.replica_axes:
+    shape_, spec = shape, matrix.leaf_spec()
+  else:
+    lead = 1 if set(matrix.replica_axes) <= manual else matrix.replicas
+    shape_, spec = (lead,) + shape, matrix.leaf_spec(True)
+  zeros = jnp.zeros(shape_, dtype)
+  if matrix.mesh is None or manual:
+    return zeros
+  return _place(zeros, matrix.mesh, spec)

@@ -3,14 +3,15 @@ feedback).
 
 Dion replaces Newton–Schulz by one warm-started step of subspace iteration at
 rank r per matrix (see ``dion.step``): it never needs a whole matrix on one
-device, and its collectives carry O((m + n)·r) values per matrix (at rank
-fractions of 0.8 and above P's rows are all-gathered instead, see
-``dion.step``). The leaves' routing, layouts and shardings come from the same
-spec as Muon's (``core.spec.tree_spec``); no plan is built.
+device, and its collectives carry O((m + n)·r) values per matrix; with
+``replica_axes`` data-parallel replicas sync those factors instead of their
+gradients. The leaves' routing, layouts and shardings come from the same spec as
+Muon's (``core.spec.tree_spec``); no plan is built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -19,14 +20,19 @@ import optax
 
 from optax_muon._src.core.dtypes import moment_dtype
 from optax_muon._src.core.options import check_number
+from optax_muon._src.core.replicas import (
+    check_replica_count,
+    without_replica_axis,
+)
 from optax_muon._src.core.reporting import report
-from optax_muon._src.core.sharding import placement_of, zeros
+from optax_muon._src.core.sharding import manual_axes
 from optax_muon._src.core.spec import TreeOptions, branch_options, tree_spec
 from optax_muon._src.core.tree_utils import check_same_shapes
 from optax_muon._src.core.user_warnings import OncePerTransformation
+from optax_muon._src.dion.matrix import OVERSAMPLE
 from optax_muon._src.dion.report import DionReport
 from optax_muon._src.dion.settings import DionSettings, make_settings
-from optax_muon._src.dion.step import OVERSAMPLE, dion_step, initial_q
+from optax_muon._src.dion.step import initial_momentum, initial_q, run_step
 
 
 class DionState(NamedTuple):
@@ -38,6 +44,22 @@ class DionState(NamedTuple):
   momentum: optax.Updates
   # The right factors Q: the params' tree; per leaf (batch…, n…, r) with n the
   # long side's axes (the NS orientation's columns), in the buffer's dtype.
+  q: optax.Updates
+
+
+class DionReplicaState(NamedTuple):
+  """State of ``scale_by_dion`` with ``replica_axes``: a buffer per replica.
+
+  ``average_replicas`` turns it into the ``DionState`` of Dion on averaged
+  gradients (a checkpoint that restores onto any replica count).
+  """
+
+  count: jax.Array  # shape=(), dtype=int32; steps taken.
+  # The buffers Bᵢ: the params' tree; per leaf (replicas, *param shape), split
+  # over the replica axes (equal across replicas for matrices whose gradient
+  # is averaged), float32 (float64 for float64 params).
+  momentum: optax.Updates
+  # The right factors Q, as in ``DionState`` (the same on every replica).
   q: optax.Updates
 
 
@@ -60,22 +82,22 @@ def dion_direction(
   """
   received = branch_options(settings.options)
   base = jax.random.key(seed)
+  replica_axes = settings.replica_axes
+  state_type = DionReplicaState if replica_axes else DionState
 
   def init_fn(params):
     report(DionReport(settings))
     spec = tree_spec(params, received)
     if warnings is not None:
       warnings.warn(spec.notices)
-    leaves = spec.take(params)
+    manual = manual_axes()
     matrices = settings.matrices(spec, params)
     momentum, q = [], []
-    for k, (x, leaf, matrix) in enumerate(
-        zip(leaves, spec.muon_leaves, matrices)
-    ):
+    for k, (x, matrix) in enumerate(zip(spec.take(params), matrices)):
       dtype = moment_dtype(x.dtype)
-      momentum.append(zeros(x.shape, dtype, placement_of(x, leaf.sharding), x))
-      q.append(initial_q(matrix, jax.random.fold_in(base, k), dtype))
-    return DionState(
+      momentum.append(initial_momentum(matrix, x.shape, dtype, manual))
+      q.append(initial_q(matrix, jax.random.fold_in(base, k), dtype, manual))
+    return state_type(
         jnp.zeros([], jnp.int32),
         spec.put(params, momentum),
         spec.put(params, q),
@@ -83,30 +105,51 @@ def dion_direction(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    check_same_shapes(
-        updates, state.momentum, "the optimizer state (made from the params)"
-    )
-    spec = tree_spec(updates, received)
-    matrices = settings.matrices(spec, updates)
-    count = optax.safe_increment(state.count)
-    step_key = jax.random.fold_in(base, count)
-    out, momentum, q = [], [], []
-    triples = zip(
-        spec.take(updates), spec.take(state.momentum), spec.take(state.q)
-    )
-    for k, ((g, b, q_old), matrix) in enumerate(zip(triples, matrices)):
-      if matrix.rank == 0:
-        out.append(g)
-        momentum.append(b)
-        q.append(q_old)
-        continue
-      d, b, q_new = dion_step(
-          g, b, q_old, beta, jax.random.fold_in(step_key, k), matrix
+    if not isinstance(state, state_type):
+      raise ValueError(
+          f"scale_by_dion{' with replica_axes' if replica_axes else ''} takes"
+          f" a {state_type.__name__}, got a {type(state).__name__}"
+          + (
+              ": turn an averaged checkpoint into one with"
+              " optax_muon.spread_replicas."
+              if replica_axes
+              else "."
+          )
       )
-      out.append(d.astype(g.dtype))
-      momentum.append(b)
-      q.append(q_new)
-    return spec.put(updates, out), DionState(
+    view = without_replica_axis(updates, replica_axes)
+    check_same_shapes(
+        view,
+        without_replica_axis(state.momentum, replica_axes, "buffer"),
+        "the optimizer state (made from the params)",
+    )
+    spec = tree_spec(view, received)
+    matrices = settings.matrices(spec, view)
+    check_replica_count(updates, replica_axes, spec.mesh)
+    count = optax.safe_increment(state.count)
+    live = [k for k, mx in enumerate(matrices) if mx.rank]
+    pick = lambda xs: [xs[k] for k in live]
+    grads = spec.take(updates)
+    directions, momenta, qs = run_step(
+        pick(matrices),
+        pick(grads),
+        pick(spec.take(state.momentum)),
+        pick(spec.take(state.q)),
+        beta,
+        jax.random.fold_in(base, count),
+        manual_axes(),
+    )
+    out, momentum, q = (
+        list(grads) if not replica_axes else [None] * len(grads),
+        spec.take(state.momentum),
+        spec.take(state.q),
+    )
+    for j, k in enumerate(live):
+      out[k] = directions[j].astype(grads[k].dtype)
+      momentum[k], q[k] = momenta[j], qs[j]
+    for k in range(len(out)):  # empty leaves: nothing to orthogonalize
+      if out[k] is None:
+        out[k] = jnp.zeros(spec.muon_leaves[k].shape, grads[k].dtype)
+    return spec.put(view, out), state_type(
         count, spec.put(state.momentum, momentum), spec.put(state.q, q)
     )
 
@@ -123,6 +166,7 @@ def scale_by_dion(
     seed: int = 0,
     product_dtype: jax.typing.DTypeLike | None = None,
     power_iterations: int = 1,
+    replica_axes: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion's direction: a rank-r orthonormal update by warm-started power
   iteration.
@@ -138,11 +182,23 @@ def scale_by_dion(
   ``orthonormalize`` is a randomized Cholesky-QR (an oversampled Gaussian
   sketch, then Cholesky-QR), stable on ill-conditioned P; where the sketch would
   have no fewer rows than P (m ≤ ⌈oversample·r⌉: rank fractions of 0.8 and
-  above at the default ``oversample``, full rank included) P's Householder QR
-  is taken instead. At rank ``min(m, n)`` and a fixed gradient the update
+  above at the default ``oversample``, full rank included) P itself takes the
+  sketch's place. At rank ``min(m, n)`` and a fixed gradient the update
   converges to Muon's U·Vᵀ. On sharded leaves every product runs on the local
-  blocks, and what crosses devices is P's and R's partial sums, r × r Grams and
-  column norms, plus, on the QR path, P's m × r rows (all-gathered).
+  blocks, and what crosses devices is P's and R's partial sums, the sketches'
+  and r × r Grams' sums (reduce-scattered, so that each device factorizes a
+  share of the matrices, and the r × r results all-gathered), column norms, and
+  Q, which lies split over the param's row and column axes (n·r / (row shards ·
+  column shards) values per device), all-gathered over the row axes.
+
+  With ``replica_axes`` (data parallelism: the mesh axes along which the params
+  are replicated) the update takes each replica's own gradient and keeps a
+  buffer per replica (``DionReplicaState``); for matrices where (m + n)·r < m·n
+  only P's and R's sums cross the replica axes (averaged, so the update equals
+  Dion's on the replicas' mean gradient), for the others the gradient is
+  averaged. Under ``jax.jit`` each gradient leaf is (replicas, *param shape)
+  (``optax_muon.per_replica`` makes them); inside a ``shard_map`` over the
+  replica axes a device passes its replica's own gradient.
 
   Args:
     rank_fraction: r as a fraction of min(m, n), in (0, 1] (rounded up, at least
@@ -166,14 +222,18 @@ def scale_by_dion(
       orth(M·R), R = Mᵀ·P, from R = Q), at least 1; Dion takes 1, more bring the
       update closer to the rank-r polar factor at twice the products and
       collectives per extra step.
+    replica_axes: the data-parallel mesh axis name(s) whose replicas sync only
+      rank-r factors (see above); None: the gradients arrive averaged.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a ``DionState``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a ``DionState``
+    (a ``DionReplicaState`` with ``replica_axes``).
 
   Raises:
     ValueError: for options out of range (naming the argument), and at
-      init/update for complex leaves, leaves that are not matrices or rank
-      fractions out of range (naming the leaf).
+      init/update for complex leaves, leaves that are not matrices, rank
+      fractions out of range, or gradients without their replica axis (naming
+      the leaf).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_muon
@@ -201,7 +261,12 @@ def scale_by_dion(
   )
   return dion_direction(
       make_settings(
-          options, rank_fraction, oversample, product_dtype, power_iterations
+          options,
+          rank_fraction,
+          oversample,
+          product_dtype,
+          power_iterations,
+          replica_axes,
       ),
       beta,
       seed,

@@ -86,9 +86,23 @@ def muon_tree_spec(tree: Any, options: MuonOptions) -> MuonTreeSpec:
   """``tree_spec(tree, options)`` as a ``MuonTreeSpec``.
 
   Raises:
-    ValueError: as ``tree_spec``.
+    ValueError: as ``tree_spec``, and inside a ``shard_map`` that leaves some
+      of a Muon leaf's mesh axes automatic (Muon's plan runs on local blocks).
   """
   spec = tree_spec(tree, options)
+  if spec.manual:
+    partial = [
+        f"{l.path} ({', '.join(sorted(l.sharding.used_axes - spec.manual_axes))})"
+        for l in spec.muon_leaves
+        if l.sharding is not None and l.sharding.used_axes - spec.manual_axes
+    ]
+    if partial:
+      raise ValueError(
+          "optax_muon: inside shard_map Muon takes local blocks: every mesh"
+          " axis a Muon leaf is split over must be manual; these are not:"
+          f" {', '.join(partial)}. Call the update outside the shard_map, or"
+          " make those axes manual."
+      )
   return MuonTreeSpec(
       **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
   )
