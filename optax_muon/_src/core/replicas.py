@@ -155,11 +155,11 @@ def per_replica(
     >>> losses.shape, grads.shape
     ((2,), (2, 8, 4))
   """
-  axes = (replica_axes,) if isinstance(replica_axes, str) else tuple(replica_axes)
+  axes = (
+      (replica_axes,) if isinstance(replica_axes, str) else tuple(replica_axes)
+  )
   split = (
-      {batch_argnums}
-      if isinstance(batch_argnums, int)
-      else set(batch_argnums)
+      {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
   )
 
   def wrapped(*args):

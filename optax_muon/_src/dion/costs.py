@@ -21,6 +21,7 @@ import math
 
 from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.dion.matrix import DionMatrix
+from optax_muon._src.dion.orthonormalization import classes, exchange_pays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,23 +77,50 @@ class _Traffic:
     self.add(nbytes * (group - 1), group)
 
 
-def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
-  """The cost of one Dion step of ``matrix``'s leaf on one device.
+def step_costs(
+    matrices: list[DionMatrix], itemsizes: list[int] | None = None
+) -> list[DionCost]:
+  """The cost of one Dion step of each leaf on one device (the matrices of a
+  step together: their orthonormalization is shared per class).
 
   Args:
-    matrix: the leaf's static facts (its view, rank and sharding).
-    itemsize: bytes per value of the state (float32: 4).
+    matrices: the leaves' static facts (views, ranks and shardings).
+    itemsizes: per leaf, bytes per value of its state (default float32's 4).
 
   Returns:
-    A ``DionCost``.
+    A ``DionCost`` per leaf.
   """
+  costs = [None] * len(matrices)
+  for members in classes(matrices):
+    chosen = [matrices[k] for k in members]
+    count = sum(_batch(mx) for mx in chosen)
+    exchanged = exchange_pays(chosen[0], count)
+    for k, mx in zip(members, chosen):
+      costs[k] = _leaf_cost(
+          mx, 4 if itemsizes is None else itemsizes[k], count, exchanged
+      )
+  return costs
+
+
+def _batch(matrix: DionMatrix) -> int:
+  return matrix.local_batch if matrix.mesh is not None else matrix.count
+
+
+def _leaf_cost(
+    matrix: DionMatrix, itemsize: int, count: int, exchanged: bool
+) -> DionCost:
+  """One leaf's step on one device, its class of ``count`` matrices on the
+  device orthonormalized by exchange or by summed sketches."""
   size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
   g_r, g_c = size(matrix.row_axes), size(matrix.col_axes)
   replicas = matrix.replicas
-  batch = matrix.local_batch if matrix.mesh is not None else matrix.count
+  batch = _batch(matrix)
   m, n, r, k = matrix.m, matrix.n, matrix.rank, matrix.sketch
   m_local, n_local = m / g_r, n / g_c
   split = matrix.q_split is not None
+  share = batch / count  # this leaf's part of its class
+  owned = math.ceil(count / g_r)  # matrices orthonormalized here, by exchange
+  factorizations = 4 * k * r * r + 3 * r**3  # R factor twice over, 3 r × r
   traffic = _Traffic()
   if matrix.replica_axes and not matrix.compressed:  # the averaged gradient
     traffic.all_reduce(batch * m_local * n_local * itemsize, replicas, replicas)
@@ -101,7 +129,6 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
   # P·Rᵀ (error feedback) and P·Qᵀ (the direction); per power iteration M·Q,
   # Mᵀ·P and the orthonormalization.
   flops = 2 * 2 * m_local * n_local * r * batch
-  owned = math.ceil(batch / g_r)  # factorizations shared over the row group
   for _ in range(matrix.power_iterations):
     flops += 2 * 2 * m_local * n_local * r * batch
     p_bytes = batch * m_local * r * itemsize
@@ -109,16 +136,14 @@ def dion_cost(matrix: DionMatrix, itemsize: int = 4) -> DionCost:
       traffic.all_reduce(p_bytes, g_c * replicas, replicas)
     else:
       traffic.all_reduce(p_bytes, g_c)
-    # sketch S·P (none for the identity), P·T₁, its Gram, P₁·T₂; the R factor
-    # (blocked Gram–Schmidt twice over) and the three r × r factorizations of
-    # the matrices this device owns.
-    sketching = 0 if matrix.identity_sketch else 2 * k * m_local * r
-    flops += batch * (sketching + 3 * 2 * m_local * r * r)
-    flops += owned * (4 * k * r * r + 3 * r**3)
-    traffic.reduce_scatter(owned * k * r * itemsize, g_r)
-    traffic.all_gather(owned * g_r * r * r * itemsize, g_r)
-    traffic.reduce_scatter(owned * r * r * itemsize, g_r)
-    traffic.all_gather(owned * g_r * r * r * itemsize, g_r)
+    sketching = 0 if matrix.identity_sketch else 2 * k * r
+    if exchanged:  # whole P's there and back; the owner does everything
+      for _ in range(2):
+        traffic.all_gather(share * owned * m * r * itemsize, g_r)
+      flops += share * owned * (m * (sketching + 6 * r * r) + factorizations)
+    else:  # sketches and Grams summed; every device factorizes them all
+      flops += batch * (m_local * (sketching + 6 * r * r) + factorizations)
+      traffic.all_reduce(batch * (k + r) * r * itemsize, g_r)
     r_bytes = batch * n_local * r * itemsize
     if split:
       traffic.reduce_scatter(r_bytes / g_r, g_r)

@@ -238,6 +238,16 @@ def _summed(
   return [apply(mx, p, t) for mx, p, t in zip(matrices, p1, t2)]
 
 
+def classes(matrices: list[DionMatrix]) -> list[list[int]]:
+  """The leaves' positions grouped by what their orthonormalization stacks:
+  the same rows (sizes and mesh axes), rank and sketch."""
+  grouped = defaultdict(list)
+  for k, mx in enumerate(matrices):
+    rows = tuple((mx.view[d], mx.dim_axes[d]) for d in mx.row_dims)
+    grouped[(rows, mx.rank, mx.sketch)].append(k)
+  return list(grouped.values())
+
+
 def exchange_pays(matrix: DionMatrix, count: int) -> bool:
   """Whether exchanging whole P's moves no more bytes than summing the sketches
   and Grams, for ``count`` such matrices on a device (ring model)."""
@@ -265,12 +275,8 @@ def orthonormalize(
     for full-rank P; finite for any finite P (columns beyond P's rank come out
     small or zero).
   """
-  classes = defaultdict(list)
-  for k, mx in enumerate(matrices):
-    rows = tuple((mx.view[d], mx.dim_axes[d]) for d in mx.row_dims)
-    classes[(rows, mx.rank, mx.sketch)].append(k)
   out = [None] * len(ps)
-  for members in classes.values():
+  for members in classes(matrices):
     chosen = [matrices[k] for k in members]
     count = sum(mx.local_batch for mx in chosen)
     run = _exchanged if exchange_pays(chosen[0], count) else _summed

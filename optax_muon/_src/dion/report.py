@@ -25,7 +25,7 @@ from optax_muon._src.core.reporting import (
 )
 from optax_muon._src.core.routing import ADAM, MUON
 from optax_muon._src.core.spec import tree_spec
-from optax_muon._src.dion.costs import dion_cost, step_seconds
+from optax_muon._src.dion.costs import step_costs, step_seconds
 from optax_muon._src.dion.settings import DionSettings
 
 
@@ -39,6 +39,8 @@ class DionLeafSummary(LeafSummary):
     flops_per_device: Dion's FLOPs per step on one device.
     received_bytes: the bytes one device receives per step for this leaf (Dion's
       collectives, ring model).
+    replica_bytes: of those, the bytes that cross the replica axes (with
+      ``replica_axes``: P's and R's sums, or the averaged gradient).
     seconds: Dion's modelled time for this leaf on one device (cost model of
       ``DionSummary.cost_model``).
     exchange_bytes: the bytes a whole-matrix exchange of the leaf's momentum
@@ -49,6 +51,7 @@ class DionLeafSummary(LeafSummary):
   rank: int | None = None
   flops_per_device: float | None = None
   received_bytes: float | None = None
+  replica_bytes: float | None = None
   seconds: float | None = None
   exchange_bytes: float | None = None
 
@@ -71,10 +74,12 @@ class DionSummary(RoutingSummary):
 
   def table(self) -> str:
     sharded = any(r.exchange_bytes for r in self.by_optimizer(MUON))
+    replicas = any(r.replica_bytes is not None for r in self.rows)
     header = SHARED_HEADER + (
         "r",
         "GFLOP/device",
         "MB/device",
+        "replica MB",
         "ms (model)",
         "exchange MB",
     )
@@ -87,11 +92,15 @@ class DionSummary(RoutingSummary):
             if r.flops_per_device is not None
             else "",
             mb(r.received_bytes),
+            mb(r.replica_bytes),
             f"{r.seconds * 1e3:.3g}" if r.seconds is not None else "",
             mb(r.exchange_bytes),
         )
         for r in self.rows
     ]
+    if not replicas:
+      header = header[:-3] + header[-2:]
+      body = [row[:-3] + row[-2:] for row in body]
     dion = self.by_optimizer(MUON)
     footer = (
         f"{plural(len(dion), 'leaf', 'leaves')} on Dion,"
@@ -103,6 +112,12 @@ class DionSummary(RoutingSummary):
         f" {self.cost_model.name or 'given'}).\nMB/device: what one device"
         " receives for the leaf (ring model)"
     )
+    if replicas:
+      footer += (
+          "; replica MB: what it receives across the replica axes (P's and R's"
+          " sums, or the averaged gradient; AdamW leaves: their averaged"
+          " gradient)"
+      )
     if sharded:
       footer += (
           "; exchange MB: what a whole-matrix exchange (Muon's) moves for it,"
@@ -133,7 +148,13 @@ class DionReport:
     """Dion's summary of ``params``."""
     settings = self.settings
     spec = tree_spec(params, settings.options)
-    matrices = dict(zip(spec.muon_positions, settings.matrices(spec, params)))
+    matrices = settings.matrices(spec, params)
+    itemsizes = [
+        np.dtype(moment_dtype(spec.leaves[i].dtype)).itemsize
+        for i in spec.muon_positions
+    ]
+    costs = dict(zip(spec.muon_positions, step_costs(matrices, itemsizes)))
+    matrices = dict(zip(spec.muon_positions, matrices))
     base = settings.options.sharding.cost_model or profiles.default_cost_model(
         profiles.mesh_devices(spec.mesh)
     )
@@ -143,7 +164,7 @@ class DionReport:
       fields = {}
       if i in matrices:
         itemsize = np.dtype(moment_dtype(leaf.dtype)).itemsize
-        cost = dion_cost(matrices[i], itemsize)
+        cost = costs[i]
         leaf_costs.append(cost)
         shards = (
             math.prod(leaf.sharding.shards(d) for d in range(len(leaf.shape)))
@@ -154,6 +175,7 @@ class DionReport:
             rank=matrices[i].rank,
             flops_per_device=cost.flops,
             received_bytes=cost.received_bytes,
+            replica_bytes=cost.replica_bytes if settings.replica_axes else None,
             seconds=cost.seconds(model),
             exchange_bytes=2
             * math.prod(leaf.shape)
@@ -161,6 +183,8 @@ class DionReport:
             * (shards - 1)
             / shards,
         )
+      elif settings.replica_axes and spec.mesh is not None:
+        fields = dict(replica_bytes=_averaged_gradient_bytes(leaf, settings))
       rows.append(DionLeafSummary(**vars(row), **fields))
     return DionSummary(
         rows=tuple(rows),
@@ -168,3 +192,12 @@ class DionReport:
         cost_model=model,
         step_seconds=step_seconds(leaf_costs, model),
     )
+
+
+def _averaged_gradient_bytes(leaf: Any, settings: DionSettings) -> float:
+  """What one device receives across the replica axes to average an AdamW
+  leaf's gradient (an all-reduce of its block, ring model)."""
+  mesh = leaf.sharding.mesh
+  replicas = math.prod(mesh.shape[a] for a in settings.replica_axes)
+  block = math.prod(leaf.sharding.local_shape(leaf.shape))
+  return 2 * block * np.dtype(leaf.dtype).itemsize * (replicas - 1) / replicas
