@@ -4,10 +4,10 @@ Optax.
 Optimizers: ``muon`` (Muon on the matrices, AdamW on the rest) and its building
 blocks ``scale_by_muon`` and ``scale_by_shape`` (compose them in
 ``optax.chain``); ``dion`` and ``scale_by_dion`` put Dion's low-rank direction
-in Newton–Schulz's place (with ``replica_axes``, data-parallel replicas sync only
-its rank-r factors: ``per_replica`` makes their gradients, ``average_replicas``
-and ``spread_replicas`` checkpoint their buffers). Both take every argument of their ``optax.contrib``
-namesakes; this package's own options come as the objects ``NSOptions``,
+in Newton–Schulz's place (with ``replica_axes``, data-parallel replicas sync
+only its rank-r factors: ``per_replica`` makes their gradients,
+``average_replicas`` and ``spread_replicas`` checkpoint their buffers). Both
+take every argument of their ``optax.contrib`` namesakes; this package's own options come as the objects ``NSOptions``,
 ``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
 
 Newton–Schulz: ``newton_schulz`` with the coefficient presets in

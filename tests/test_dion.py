@@ -392,10 +392,10 @@ def test_sharded_equals_single_device(case, axis_type):
     names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
     mesh_shape = placed[path].mesh.shape
     shards = lambda axes: math.prod(mesh_shape[a] for a in axes)
-    long, short = names(entries[long_axis]), names(entries[short_axis])
-    if short and (shape[long_axis] // shards(long)) % shards(short) == 0:
-      long = long + short
-    want_q = P(*entries[: len(shape) - 2], long or None, None)
+    side, short = names(entries[long_axis]), names(entries[short_axis])
+    if short and (shape[long_axis] // shards(side)) % shards(short) == 0:
+      side = side + short
+    want_q = P(*entries[: len(shape) - 2], side or None, None)
     assert q.sharding.is_equivalent_to(
         NamedSharding(placed[path].mesh, want_q), q.ndim
     ), (path, want_q)

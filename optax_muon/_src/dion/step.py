@@ -160,7 +160,8 @@ def local_step(
   for matrix, m, p, r, shard, q, b in zip(
       matrices, ms, ps, rs, shards, qs, momenta
   ):
-    outer = f"{matrix.b}{matrix.i}r,{matrix.b}{matrix.o}r->{matrix.b}{matrix.i}{matrix.o}"
+    b_, i, o = matrix.b, matrix.i, matrix.o
+    outer = f"{b_}{i}r,{b_}{o}r->{b_}{i}{o}"
     new_m = m - (1 - beta) * _product(matrix, outer, p, r)
     norms = jnp.sqrt(
         _psum(

@@ -91,10 +91,11 @@ def muon_tree_spec(tree: Any, options: MuonOptions) -> MuonTreeSpec:
   """
   spec = tree_spec(tree, options)
   if spec.manual:
+    automatic = lambda l: sorted(l.sharding.used_axes - spec.manual_axes)
     partial = [
-        f"{l.path} ({', '.join(sorted(l.sharding.used_axes - spec.manual_axes))})"
+        f"{l.path} ({', '.join(automatic(l))})"
         for l in spec.muon_leaves
-        if l.sharding is not None and l.sharding.used_axes - spec.manual_axes
+        if l.sharding is not None and automatic(l)
     ]
     if partial:
       raise ValueError(
