@@ -7,8 +7,9 @@ blocks ``scale_by_muon`` and ``scale_by_shape`` (compose them in
 in Newton–Schulz's place (with ``replica_axes``, data-parallel replicas sync
 only its rank-r factors: ``per_replica`` makes their gradients,
 ``average_replicas`` and ``spread_replicas`` checkpoint their buffers). Both
-take every argument of their ``optax.contrib`` namesakes; this package's own options come as the objects ``NSOptions``,
-``ShardingOptions``, ``NorMuon``, ``Routing`` and ``QKClip``.
+take every argument of their ``optax.contrib`` namesakes; this package's own
+options come as the objects ``NSOptions``, ``ShardingOptions``, ``NorMuon``,
+``Routing`` and ``QKClip``.
 
 Newton–Schulz: ``newton_schulz`` with the coefficient presets in
 ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table

@@ -390,8 +390,9 @@ def test_sharded_equals_single_device(case, axis_type):
     short_axis = 2 * len(shape) - 3 - long_axis
     entries = tuple(placed[path].spec) + (None,) * len(shape)
     names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
-    mesh_shape = placed[path].mesh.shape
-    shards = lambda axes: math.prod(mesh_shape[a] for a in axes)
+    shards = lambda axes, mesh=placed[path].mesh: math.prod(
+        mesh.shape[a] for a in axes
+    )
     side, short = names(entries[long_axis]), names(entries[short_axis])
     if short and (shape[long_axis] // shards(side)) % shards(short) == 0:
       side = side + short
