@@ -204,15 +204,43 @@ def matrices_and_adam(
     An ``optax.GradientTransformationExtraArgs`` whose state is
     ``optax.partition``'s.
   """
-  if replica_axes:
-    adam = averaged_over_replicas(adam, replica_axes)
-  tx = optax.partition(
+  tx = _partition(
       {MUON: matrices, ADAM: adam},
       lambda params: tree_spec(params, options).labels(params),
+      replica_axes,
   )
   if options.qk_clip is not None:
     tx = followed_by_stateless(tx, options.qk_clip.transformation())
   return _checked_and_placed(tx, options, keep, replica_axes)
+
+
+def _partition(
+    transforms: dict[str, optax.GradientTransformation],
+    labels: Any,
+    replica_axes: tuple[str, ...],
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.partition(transforms, labels)``; with ``replica_axes`` the AdamW
+  branch takes the replicas' mean gradient and the labels come from the params,
+  whose shapes the per-replica gradients' leading axis would hide."""
+  if not replica_axes:
+    return optax.partition(transforms, labels)
+  transforms = dict(
+      transforms,
+      **{ADAM: averaged_over_replicas(transforms[ADAM], replica_axes)},
+  )
+  init = optax.partition(transforms, labels).init
+
+  def update_fn(updates, state, params=None, **extra_args):
+    shapes = (
+        params
+        if params is not None
+        else without_replica_axis(updates, replica_axes)
+    )
+    return optax.partition(transforms, labels(shapes)).update(
+        updates, state, params, **extra_args
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update_fn)
 
 
 def _checked_and_placed(

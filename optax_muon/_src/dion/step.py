@@ -214,6 +214,8 @@ def run_step(
   Returns:
     As ``local_step``.
   """
+  if not matrices:
+    return [], [], []
   grads = [
       g[None] if mx.replica_axes and g.ndim == len(mx.perm) else g
       for mx, g in zip(matrices, grads)

@@ -117,10 +117,13 @@ def dion_direction(
           )
       )
     view = without_replica_axis(updates, replica_axes)
+    buffers = state.momentum
+    if replica_axes:  # a buffer per replica: (replicas, *param shape)
+      buffers = jax.tree.map(
+          lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), buffers
+      )
     check_same_shapes(
-        view,
-        without_replica_axis(state.momentum, replica_axes, "buffer"),
-        "the optimizer state (made from the params)",
+        view, buffers, "the optimizer state (made from the params)"
     )
     spec = tree_spec(view, received)
     matrices = settings.matrices(spec, view)
