@@ -320,15 +320,13 @@ def initial_q(
   """A random Q with unit columns, laid out by ``matrix.q_spec``: the same
   values on any mesh (inside ``shard_map``, this device's block of them)."""
   q = jax.random.normal(key, matrix.q_shape, dtype)
-  if matrix.mesh is None:
-    return q / jnp.linalg.norm(q, axis=_q_col_dims(matrix), keepdims=True)
-  if manual:
+  if matrix.mesh is not None and manual:
     q = _local_block(q, matrix.q_dim_axes, matrix.mesh, manual)
-  else:
+  elif matrix.mesh is not None:
     q = _place(q, matrix.mesh, matrix.q_spec)
   squares = jnp.sum(q * q, axis=_q_col_dims(matrix), keepdims=True)
   axes = tuple(a for a in _norm_axes(matrix) if a in manual)
-  return q / jnp.sqrt(_psum(squares, axes))
+  return q / jnp.sqrt(_psum(squares, axes if matrix.mesh is not None else ()))
 
 
 def initial_momentum(
