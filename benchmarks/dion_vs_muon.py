@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_muon
 from optax_muon._src.core.profiles import PROFILES
-from optax_muon._src.dion.costs import dion_cost, step_seconds
+from optax_muon._src.dion.costs import step_costs, step_seconds
 from optax_muon._src.dion.matrix import DionMatrix, rank_of
 from optax_muon._src.core.matrices import make_layout
 from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
@@ -60,13 +60,12 @@ def dion_step(
 ) -> tuple[float, float]:
   """(modelled seconds, received bytes) of one Dion step on one device."""
   mesh = jax.sharding.AbstractMesh(mesh_shape, names)
-  costs = []
+  matrices = []
   for name, leaf in leaves.items():
     layout = make_layout(name, leaf, dims[name])
     sharding = LeafSharding(mesh, dim_axes_of(specs[name], len(leaf.shape)))
-    costs.append(
-        dion_cost(DionMatrix.of(layout, sharding, rank_of(fraction, layout)))
-    )
+    matrices.append(DionMatrix.of(layout, sharding, rank_of(fraction, layout)))
+  costs = step_costs(matrices)
   return step_seconds(costs, model), sum(c.received_bytes for c in costs)
 
 

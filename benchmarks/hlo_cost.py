@@ -101,6 +101,36 @@ def _group_size(line: str, default: int) -> int:
   return default
 
 
+def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+  """The device groups of a collective (``replica_groups`` written out, or in
+  XLA's iota form ``[G,S]<=[dims]T(perm)``; a collective-permute's
+  source–target pairs), or None where the line gives none (every device)."""
+  iota = re.search(
+      r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line
+  )
+  if iota:
+    count, size = int(iota.group(1)), int(iota.group(2))
+    ids = np.arange(count * size).reshape(
+        [int(d) for d in iota.group(3).split(",")]
+    )
+    if iota.group(4):
+      ids = ids.transpose([int(a) for a in iota.group(4).split(",")])
+    return tuple(map(tuple, ids.reshape(count, size).tolist()))
+  listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if listed and listed.group(1):
+    return tuple(
+        tuple(int(i) for i in g.split(",") if i)
+        for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
+    )
+  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  if pairs:
+    return tuple(
+        (int(a), int(b))
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))
+    )
+  return None
+
+
 @dataclasses.dataclass
 class Collective:
   """One collective: its kind, output bytes, group size, and whether it sits in
@@ -111,6 +141,7 @@ class Collective:
   group_size: int
   multiplicity: int
   in_loop: bool
+  groups: tuple[tuple[int, ...], ...] | None = None
 
   @property
   def received_bytes(self) -> float:
@@ -289,6 +320,7 @@ def analyze(compiled, device_count: int) -> HloCost:
                 _group_size(line, device_count),
                 times,
                 in_loop[name],
+                _groups(line),
             )
         )
   memory = compiled.memory_analysis()
@@ -409,3 +441,38 @@ def compiled_device_flops(cost, plan) -> np.ndarray:
   for index in np.ndindex(*shape):
     out[index] = cost.device_dot_flops([int(c[index]) for c in choice])
   return out
+
+
+def crossing_bytes(
+    collective: Collective, coordinate: list[tuple[int, ...]], device_count: int
+) -> float:
+  """The bytes a device receives in ``collective`` across the boundary that
+  ``coordinate`` draws (device id → its coordinate along some mesh axes, e.g.
+  its replica): for an all-reduce, all-gather or reduce-scatter the share
+  (c − 1)/(g − 1) of its ring-model bytes, c the distinct coordinates in a
+  group of g (what it moves across the boundary when it runs inside each
+  coordinate first: the least any schedule moves); for an all-to-all the share
+  of its peers on other coordinates; for a collective-permute the share of
+  pairs that cross."""
+  groups = collective.groups or (tuple(range(device_count)),)
+  if collective.kind == "collective-permute":
+    crossing = [coordinate[a] != coordinate[b] for a, b in groups]
+    return collective.received_bytes * sum(crossing) / max(len(crossing), 1)
+  shares = []
+  for group in groups:
+    g, c = len(group), len({coordinate[i] for i in group})
+    if g == 1:
+      shares.append(0.0)
+    elif collective.kind == "all-to-all":
+      shares.append((g - g / c) / (g - 1))
+    else:
+      shares.append((c - 1) / (g - 1))
+  return collective.received_bytes * max(shares)
+
+
+def mesh_coordinate(mesh_shape: tuple[int, ...], axes: tuple[int, ...]):
+  """Device id → its coordinate along the mesh axes ``axes`` (positions in
+  ``mesh_shape``), for a program compiled over the mesh's devices in their
+  order (an SPMD program's ids are positions in its device assignment)."""
+  coordinates = np.indices(mesh_shape).reshape(len(mesh_shape), -1).T
+  return [tuple(int(c[a]) for a in axes) for c in coordinates]

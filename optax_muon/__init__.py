@@ -6,10 +6,10 @@ blocks ``scale_by_muon`` and ``scale_by_shape`` (compose them in
 ``optax.chain``); ``dion`` and ``scale_by_dion`` put Dion's low-rank direction
 in Newton–Schulz's place (with ``replica_axes``, data-parallel replicas sync
 only its rank-r factors: ``per_replica`` makes their gradients,
-``average_replicas`` and ``spread_replicas`` checkpoint their buffers). Both
-take every argument of their ``optax.contrib`` namesakes; this package's own
-options come as the objects ``NSOptions``, ``ShardingOptions``, ``NorMuon``,
-``Routing`` and ``QKClip``.
+``average_replicas`` checkpoints their buffers). Both take every argument of
+their ``optax.contrib`` namesakes; this package's own options come as the
+objects ``NSOptions``, ``ShardingOptions``, ``NorMuon``, ``Routing`` and
+``QKClip``.
 
 Newton–Schulz: ``newton_schulz`` with the coefficient presets in
 ``PRESET_NAMES`` or a generated ``polar_express_coefficients`` table
@@ -45,12 +45,8 @@ from optax_muon._src.core.routing import infer_dimension_numbers, route
 from optax_muon._src.core.scaling import scale_by_shape
 from optax_muon._src.core.weight_decay import add_cautious_decayed_weights
 from optax_muon._src.dion.alias import dion
-from optax_muon._src.dion.replicas import average_replicas, spread_replicas
-from optax_muon._src.dion.transform import (
-    DionReplicaState,
-    DionState,
-    scale_by_dion,
-)
+from optax_muon._src.dion.replicas import average_replicas
+from optax_muon._src.dion.transform import DionState, scale_by_dion
 from optax_muon._src.muon.alias import muon
 from optax_muon._src.muon.coefficients import (
     PRESET_NAMES,
@@ -68,7 +64,6 @@ __version__ = "0.3.0"
 
 __all__ = [
     "CostModel",
-    "DionReplicaState",
     "DionState",
     "KNOWN_LAYOUTS",
     "LOGICAL_AXIS_ROLES",
@@ -100,6 +95,5 @@ __all__ = [
     "scale_by_muon",
     "scale_by_shape",
     "singular_value_range",
-    "spread_replicas",
     "summarize",
 ]

@@ -51,10 +51,10 @@ def test_layers_import_only_downwards():
 
 
 def test_the_face_is_curated_and_documented():
-  """At most 31 public names, all of the face's attributes, each on the API
-  page."""
+  """At most 33 public names (31, and Dion's two replica tools), all of the
+  face's attributes, each on the API page."""
   names = optax_muon.__all__
-  assert len(names) == len(set(names)) and len(names) <= 31, names
+  assert len(names) == len(set(names)) and len(names) <= 33, names
   assert sorted(n for n in dir(optax_muon) if not n.startswith("_")) == sorted(
       names
   ), "every public attribute of the face is in __all__"

@@ -183,12 +183,16 @@ def per_replica(
     def body(*local):
       return jax.tree.map(lambda x: jnp.asarray(x)[None], fn(*local))
 
+    # check_vma=False: with JAX's replication types, differentiating ``fn``
+    # by arguments that are the same on every replica would sum the gradient
+    # over the replicas; each replica's own is wanted here.
     return jax.shard_map(
         body,
         mesh=where,
         in_specs=in_specs,
         out_specs=PartitionSpec(axes),
         axis_names=frozenset(axes),
+        check_vma=False,
     )(*args)
 
   return wrapped

@@ -120,7 +120,8 @@ def local_step(
     matrices: the leaves' static facts.
     grads: per leaf this device's block of G in the leaf's axis order (with a
       leading replica axis of size 1 where the leaf has replicas).
-    momenta: the buffers B, the same (the state's dtype).
+    momenta: the buffers B, the same (the state's dtype; the leading replica
+      axis only where the leaf is compressed: the others keep one buffer).
     qs: this device's blocks of Q (``DionMatrix.q_shape``, laid out by
       ``q_spec``).
     beta: μ, the momentum decay; may be traced.
@@ -133,7 +134,9 @@ def local_step(
   ms = []
   for matrix, g, b in zip(matrices, grads, momenta):
     if matrix.replica_axes:
-      g, b = g[0], b[0]
+      g = g[0]
+    if matrix.compressed:
+      b = b[0]
     g = jnp.transpose(g, matrix.perm).astype(b.dtype)
     if matrix.replica_axes and not matrix.compressed:
       g = jax.lax.psum(g, matrix.replica_axes) / matrix.replicas
@@ -173,7 +176,7 @@ def local_step(
     direction = _product(matrix, outer, p, r / safe)
     new_m = jnp.transpose(new_m, matrix.back).astype(b.dtype)
     directions.append(jnp.transpose(direction, matrix.back))
-    new_momenta.append(new_m[None] if matrix.replica_axes else new_m)
+    new_momenta.append(new_m[None] if matrix.compressed else new_m)
     new_qs.append(jnp.where(norms > 0, shard / safe, q))
   return directions, new_momenta, new_qs
 
@@ -243,9 +246,10 @@ def run_step(
   chosen = [matrices[k] for k in sharded]
   mesh = jax.sharding.get_abstract_mesh() if manual else chosen[0].mesh
   leaf = [_restricted(mx.leaf_spec(), todo) for mx in chosen]
-  state = [
+  grad = [
       _restricted(mx.leaf_spec(bool(mx.replica_axes)), todo) for mx in chosen
   ]
+  state = [_restricted(mx.leaf_spec(mx.compressed), todo) for mx in chosen]
   q = [_restricted(mx.q_spec, todo) for mx in chosen]
 
   def body(grads, momenta, qs, beta, key):
@@ -258,7 +262,7 @@ def run_step(
       body,
       mesh=mesh,
       in_specs=(
-          tuple(state),
+          tuple(grad),
           tuple(state),
           tuple(q),
           PartitionSpec(),
@@ -336,9 +340,9 @@ def initial_momentum(
     manual: frozenset[str],
 ) -> jax.Array:
   """Zeros for the buffer B: the leaf's (local) ``shape``, after a replica axis
-  where the leaf has replicas (its local size 1 where the replica axes are
-  manual)."""
-  if not matrix.replica_axes:
+  where the leaf's replicas keep their own (compressed; its local size 1 where
+  the replica axes are manual)."""
+  if not matrix.compressed:
     shape_, spec = shape, matrix.leaf_spec()
   else:
     lead = 1 if set(matrix.replica_axes) <= manual else matrix.replicas

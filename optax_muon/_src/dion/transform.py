@@ -48,19 +48,45 @@ class DionState(NamedTuple):
 
 
 class DionReplicaState(NamedTuple):
-  """State of ``scale_by_dion`` with ``replica_axes``: a buffer per replica.
+  """State of ``scale_by_dion`` with ``replica_axes``: a buffer per replica for
+  the matrices whose replicas sync only rank-r factors.
 
   ``average_replicas`` turns it into the ``DionState`` of Dion on averaged
   gradients (a checkpoint that restores onto any replica count).
   """
 
   count: jax.Array  # shape=(), dtype=int32; steps taken.
-  # The buffers Bᵢ: the params' tree; per leaf (replicas, *param shape), split
-  # over the replica axes (equal across replicas for matrices whose gradient
-  # is averaged), float32 (float64 for float64 params).
+  # The buffer B of each matrix whose gradient is averaged over the replicas
+  # (the same on every replica), shaped like its param; ``optax.MaskedNode``
+  # for the others.
   momentum: optax.Updates
+  # The buffers Bᵢ of the other matrices, one per replica: (replicas, *param
+  # shape), split over the replica axes; ``optax.MaskedNode`` elsewhere.
+  replica_momentum: optax.Updates
   # The right factors Q, as in ``DionState`` (the same on every replica).
   q: optax.Updates
+
+
+def _buffers(state: Any, spec: Any, matrices: list) -> list[Any]:
+  """Each matrix leaf's buffer, in spec order."""
+  if not isinstance(state, DionReplicaState):
+    return spec.take(state.momentum)
+  shared, own = spec.take(state.momentum), spec.take(state.replica_momentum)
+  return [
+      b if not mx.compressed else r for mx, b, r in zip(matrices, shared, own)
+  ]
+
+
+def _state(state_type, count, tree, spec, matrices, buffers, qs):
+  """The new state, each buffer in its field."""
+  if state_type is DionState:
+    return DionState(count, spec.put(tree, buffers), spec.put(tree, qs))
+  masked = optax.MaskedNode()
+  shared = [masked if mx.compressed else b for mx, b in zip(matrices, buffers)]
+  own = [b if mx.compressed else masked for mx, b in zip(matrices, buffers)]
+  return DionReplicaState(
+      count, spec.put(tree, shared), spec.put(tree, own), spec.put(tree, qs)
+  )
 
 
 def dion_direction(
@@ -97,10 +123,14 @@ def dion_direction(
       dtype = moment_dtype(x.dtype)
       momentum.append(initial_momentum(matrix, x.shape, dtype, manual))
       q.append(initial_q(matrix, jax.random.fold_in(base, k), dtype, manual))
-    return state_type(
+    return _state(
+        state_type,
         jnp.zeros([], jnp.int32),
-        spec.put(params, momentum),
-        spec.put(params, q),
+        params,
+        spec,
+        matrices,
+        momentum,
+        q,
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -110,50 +140,50 @@ def dion_direction(
           f"scale_by_dion{' with replica_axes' if replica_axes else ''} takes"
           f" a {state_type.__name__}, got a {type(state).__name__}"
           + (
-              ": turn an averaged checkpoint into one with"
-              " optax_muon.spread_replicas."
+              ": lay an averaged checkpoint out for the replicas with"
+              " optax_muon.average_replicas(restored, like=tx.init(params))."
               if replica_axes
               else "."
           )
       )
     view = without_replica_axis(updates, replica_axes)
-    buffers = state.momentum
-    if replica_axes:  # a buffer per replica: (replicas, *param shape)
-      buffers = jax.tree.map(
-          lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), buffers
-      )
-    check_same_shapes(
-        view, buffers, "the optimizer state (made from the params)"
-    )
     spec = tree_spec(view, received)
     matrices = settings.matrices(spec, view)
+    buffers = _buffers(state, spec, matrices)
+    check_same_shapes(
+        view,
+        spec.put(
+            view,
+            [
+                jax.ShapeDtypeStruct(b.shape[mx.compressed :], b.dtype)
+                for mx, b in zip(matrices, buffers)
+            ],
+        ),
+        "the optimizer state (made from the params)",
+    )
     check_replica_count(updates, replica_axes, spec.mesh)
     count = optax.safe_increment(state.count)
     live = [k for k, mx in enumerate(matrices) if mx.rank]
     pick = lambda xs: [xs[k] for k in live]
-    grads = spec.take(updates)
-    directions, momenta, qs = run_step(
+    grads, qs = spec.take(updates), spec.take(state.q)
+    directions, momenta, new_qs = run_step(
         pick(matrices),
         pick(grads),
-        pick(spec.take(state.momentum)),
-        pick(spec.take(state.q)),
+        pick(buffers),
+        pick(qs),
         beta,
         jax.random.fold_in(base, count),
         manual_axes(),
     )
-    out, momentum, q = (
-        list(grads) if not replica_axes else [None] * len(grads),
-        spec.take(state.momentum),
-        spec.take(state.q),
-    )
+    out = list(grads) if not replica_axes else [None] * len(grads)
     for j, k in enumerate(live):
       out[k] = directions[j].astype(grads[k].dtype)
-      momentum[k], q[k] = momenta[j], qs[j]
+      buffers[k], qs[k] = momenta[j], new_qs[j]
     for k in range(len(out)):  # empty leaves: nothing to orthogonalize
       if out[k] is None:
         out[k] = jnp.zeros(spec.muon_leaves[k].shape, grads[k].dtype)
-    return spec.put(view, out), state_type(
-        count, spec.put(state.momentum, momentum), spec.put(state.q, q)
+    return spec.put(view, out), _state(
+        state_type, count, view, spec, matrices, buffers, qs
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
