@@ -345,7 +345,9 @@ def test_per_replica_gradients_train_like_averaged_ones():
     assert losses.shape == (2,)
     for i, half in enumerate((x[:16], x[16:])):
       own = jax.grad(loss)(params, half)
-      _compare(jax.tree.map(lambda g: np.asarray(g)[i], per_replica), own, 1e-6)
+      _compare(
+          jax.tree.map(lambda g, i=i: np.asarray(g)[i], per_replica), own, 1e-6
+      )
     assert per_replica["w1"].sharding.spec[0] == "replica"
     updates, _ = jax.jit(tx.update)(
         per_replica, jax.jit(tx.init)(sharded), sharded
