@@ -143,6 +143,68 @@ def check_dion(params, process_id: int) -> None:
   )
 
 
+def check_dion_replicas(params, process_id: int) -> None:
+  """Five steps of Dion with its replicas syncing rank-r factors, each process
+  one replica (FSDP over its 4 devices), every step's two gradients different
+  == one process's Dion on their mean; the averaged buffers too."""
+  rng = np.random.default_rng(9)
+  grads = [
+      [
+          jax.tree.map(
+              lambda x: rng.standard_normal(x.shape).astype(np.float32), params
+          )
+          for _ in range(2)
+      ]
+      for _ in range(5)
+  ]
+  tx_ref = optax_muon.dion(0.1, rank_fraction=0.25)
+  state = tx_ref.init(params)
+  for pair in grads:
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, *pair)
+    reference, state = jax.jit(tx_ref.update)(mean, state, params)
+  reference_buffers = state.inner_states["muon"].inner_state[0].momentum
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = jax.sharding.Mesh(
+      np.array(devices).reshape(2, 4),
+      ("replica", "fsdp"),
+      axis_types=(AxisType.Explicit,) * 2,
+  )
+  specs = jax.tree.map(lambda x: P("fsdp") if x.ndim == 2 else P(), params)
+  place = lambda x, spec: jax.make_array_from_callback(  # noqa: E731
+      x.shape, NamedSharding(mesh, spec), lambda idx: x[idx]
+  )
+  tx = optax_muon.dion(0.1, rank_fraction=0.25, replica_axes="replica")
+  sharded = jax.tree.map(place, params, specs)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(sharded)
+    for pair in grads:
+      per_replica = jax.tree.map(
+          lambda a, b, spec: place(np.stack([a, b]), P("replica", *spec)),
+          *pair,
+          specs,
+      )
+      updates, state = jax.jit(tx.update)(per_replica, state, sharded)
+    averaged = jax.jit(optax_muon.average_replicas)(state)
+  gathered = multihost_utils.process_allgather(
+      (updates, averaged.inner_states["muon"].inner_state[0].momentum),
+      tiled=True,
+  )
+  worst = max(
+      float(np.max(np.abs(a - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+      for a, b in zip(
+          jax.tree.leaves(gathered),
+          jax.tree.leaves((reference, reference_buffers)),
+      )
+  )
+  print(
+      f"MULTIHOST dion-replicas process {process_id}: max relative difference"
+      f" {worst:.2e}",
+      flush=True,
+  )
+  assert worst < 1e-5, worst
+
+
 def main(port: str, process_id: int) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
@@ -161,6 +223,7 @@ def main(port: str, process_id: int) -> None:
       interleave=True,
   )
   check_dion(jax.tree.map(np.asarray, gpt_tree(32, 2)), process_id)
+  check_dion_replicas(jax.tree.map(np.asarray, gpt_tree(32, 2)), process_id)
   jax.distributed.shutdown()
 
 

@@ -45,8 +45,9 @@ def test_two_processes_match_single_process():
       p.kill()
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, out[-3000:]
-    # Muon with whole matrices and with teams; Dion.
-    for name in ("whole", "teams", "dion"):
+    # Muon with whole matrices and with teams; Dion; Dion with a replica per
+    # process, syncing rank-r factors across the processes.
+    for name in ("whole", "teams", "dion", "dion-replicas"):
       assert (
           f"MULTIHOST {name} process {i}: max relative difference" in out
       ), out[-3000:]
