@@ -9,16 +9,25 @@ replicates the params (data parallel; Muon splits the NS work over the
 replicas). The batch is always sharded. Writes ``<out>/train_lm.json`` (the
 curves) and ``<out>/train_lm.png`` (the plot).
 
+``--dion RANK`` adds a run of Dion at that rank fraction. ``--replicas R`` lays
+the devices out as R data-parallel replicas × FSDP over the rest (params
+replicated over "replica", split over "data"); the Dion run then syncs only
+rank-r factors across the replicas (``dion(..., replica_axes="replica")``, each
+replica's gradient from ``optax_muon.per_replica``), while Muon and AdamW
+average their gradients over the replicas as usual.
+
 ``--qk-clip TAU`` adds a run of Muon with QK-clip at threshold TAU (``muon(...,
 qk_clip=QKClip(TAU, heads))``, fed each step's per-head logit maxima) and
 records, for every run, the largest attention logit on each step's batch with
 the parameters the step ends with (a second forward pass) in the JSON as
 ``"max_logit"``, plotted in ``<out>/train_lm_max_logit.png``.
 
-  python examples/train_lm.py                # default run, < 10 minutes on 2
-  CPU cores python examples/train_lm.py --quick        # a smoke run of a few
-  seconds python examples/train_lm.py --qk-clip 30   # also Muon with QK-clip at
-  τ = 30
+  python examples/train_lm.py                # default run, < 10 minutes on
+                                              # 2 CPU cores
+  python examples/train_lm.py --quick        # a smoke run of a few seconds
+  python examples/train_lm.py --qk-clip 30   # also Muon with QK-clip at τ = 30
+  python examples/train_lm.py --dion 0.25 --replicas 2   # also Dion, its 2
+                                              # replicas syncing factors
 """
 
 from __future__ import annotations
@@ -138,6 +147,28 @@ def parse_args(argv=None) -> argparse.Namespace:
       ),
   )
   parser.add_argument(
+      "--dion",
+      type=float,
+      default=None,
+      metavar="RANK",
+      help="add a Dion run at this rank fraction (default: off)",
+  )
+  parser.add_argument(
+      "--dion-lr",
+      type=float,
+      default=0.01,
+      help="Dion's peak learning rate (default: %(default)s)",
+  )
+  parser.add_argument(
+      "--replicas",
+      type=int,
+      default=1,
+      help=(
+          "data-parallel replicas, FSDP over the other devices; Dion's "
+          "replicas sync only rank-r factors (default: %(default)s)"
+      ),
+  )
+  parser.add_argument(
       "--qk-clip",
       type=float,
       default=None,
@@ -158,6 +189,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ) = (32, 2, 16, 64, 10)
   if args.steps is None:
     args.steps = 20 if args.quick else 600
+  if args.qk_clip is not None and args.dion is not None and args.replicas > 1:
+    parser.error(
+        "--qk-clip records every run's logits from one gradient per step;"
+        " with --dion and --replicas > 1 the Dion run's gradients are per"
+        " replica: leave one of them out."
+    )
   return args
 
 
@@ -195,29 +232,42 @@ def make_optimizers(
     optimizers["muon+qk-clip"] = muon(
         qk_clip=optax_muon.QKClip(args.qk_clip, qk_clip_heads(cfg.n_heads))
     )
+  if args.dion is not None:
+    optimizers[f"dion r={args.dion:g}"] = optax_muon.dion(
+        schedule(args.dion_lr),
+        rank_fraction=args.dion,
+        adam_learning_rate=schedule(args.adam_lr),
+        adam_b2=0.95,
+        replica_axes="replica" if args.replicas > 1 else None,
+    )
   optimizers["adamw"] = optax.adamw(schedule(args.adam_lr), b2=0.95)
   return optimizers
 
 
 def param_sharding(x: jax.Array, mesh, mode: str) -> NamedSharding:
-  """FSDP: a matrix is split on its first axis over all devices; vectors stay
-  replicated."""
-  if mode == "fsdp" and x.ndim == 2 and x.shape[0] % mesh.size == 0:
+  """FSDP: a matrix is split on its first axis over the "data" devices;
+  vectors stay replicated (and everything over the replicas)."""
+  if mode == "fsdp" and x.ndim == 2 and x.shape[0] % mesh.shape["data"] == 0:
     return NamedSharding(mesh, P("data", None))
   return NamedSharding(mesh, P())
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes a batch is split over: all of them."""
+  return tuple(mesh.axis_names)
 
 
 def train(
     name: str, tx, cfg: GPTConfig, args, train_data, val_batch, mesh
 ) -> dict:
   """Trains one model; returns its curves and timing."""
-  data_sharding = NamedSharding(mesh, P("data"))
+  data_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
   graphdef, params = nnx.split(GPT(cfg, nnx.Rngs(args.seed)), nnx.Param)
   params = jax.tree.map(
       lambda x: jax.device_put(x, param_sharding(x, mesh, args.sharding)),
       params,
   )
-  if name.startswith("muon"):
+  if name.startswith(("muon", "dion")):
     optax_muon.summarize(params, tx, print_table=True)
   opt_state = jax.jit(tx.init)(params)
 
@@ -238,11 +288,17 @@ def train(
         )
     )
 
+  gradient = jax.value_and_grad(loss_of)
+  if name.startswith("dion") and args.replicas > 1:
+    # Each replica's own loss and gradient, (replicas, …): Dion syncs only
+    # its rank-r factors across them.
+    gradient = optax_muon.per_replica(gradient, "replica")
+
   @jax.jit
   def train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_of)(params, batch)
+    loss, grads = gradient(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, jnp.mean(loss)
 
   @jax.jit
   def train_step_with_logit_max(params, opt_state, batch):
@@ -364,9 +420,21 @@ def main(argv=None) -> dict:
       n_layers=args.layers,
       n_heads=max(1, args.d_model // 32),
   )
-  mesh = jax.make_mesh(
-      (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
-  )
+  if jax.device_count() % args.replicas:
+    raise ValueError(
+        f"--replicas {args.replicas} must divide the {jax.device_count()}"
+        " devices."
+    )
+  if args.replicas > 1:
+    mesh = jax.make_mesh(
+        (args.replicas, jax.device_count() // args.replicas),
+        ("replica", "data"),
+        axis_types=(AxisType.Explicit,) * 2,
+    )
+  else:
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
+    )
   if args.batch_size % jax.device_count():
     raise ValueError(
         f"--batch-size {args.batch_size} must divide over "
