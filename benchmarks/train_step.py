@@ -75,8 +75,10 @@ def loss_fn(heads: int, kv_heads: int):
 
   def rms(x, scale):
     x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * (
-        1 + scale
+    return (
+        x32
+        * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+        * (1 + scale)
     )
 
   def layer(x, p):
@@ -164,9 +166,11 @@ def compile_step(tx, per_replica: bool, loss, params, tokens, mesh):
     state = jax.eval_shape(tx.init, params)
     jax.clear_caches()
     start = time.process_time()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, state, tokens
-    ).compile()
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(params, state, tokens)
+        .compile()
+    )
   return compiled, time.process_time() - start
 
 
@@ -193,7 +197,9 @@ def measure(target, mesh_shape, tree, batch, ranks, names=None) -> list[dict]:
   for name, (tx, per_replica) in optimizers(dims, shardings, ranks).items():
     if names and name not in names:
       continue
-    compiled, seconds = compile_step(tx, per_replica, loss, params, tokens, mesh)
+    compiled, seconds = compile_step(
+        tx, per_replica, loss, params, tokens, mesh
+    )
     cost = hlo_cost.analyze(compiled, n)
     memory = compiled.memory_analysis()
     rows.append(
@@ -255,7 +261,9 @@ def main(argv=None) -> list[dict]:
       "--mesh", default="8,32", help="replicas,fsdp (default: %(default)s)"
   )
   parser.add_argument(
-      "--tree", default="7b", help=f"one of {', '.join(aot.TREES)}"
+      "--tree",
+      default="7b",
+      help=f"one of {', '.join(aot.TREES)} (default: %(default)s)",
   )
   parser.add_argument(
       "--batch",
@@ -264,12 +272,20 @@ def main(argv=None) -> list[dict]:
       help="sequences per step (default: one per device)",
   )
   parser.add_argument(
-      "--ranks", default="0.25,0.0625", help="Dion's rank fractions"
+      "--ranks",
+      default="0.25,0.0625",
+      help="Dion's rank fractions (default: %(default)s)",
   )
   parser.add_argument(
-      "--only", default="", help="comma-separated optimizer names to compile"
+      "--only",
+      default="",
+      help="semicolon-separated optimizer names to compile (default: all)",
   )
-  parser.add_argument("--out", default="runs/train_step.json")
+  parser.add_argument(
+      "--out",
+      default="runs/train_step.json",
+      help="where the rows go, as JSON (default: %(default)s)",
+  )
   args = parser.parse_args(argv)
   if args.target:
     aot._set_platform_env(aot.TARGETS[args.target].platform)
