@@ -612,8 +612,8 @@ def test_bfloat16_products():
 def test_summary_of_dion_on_an_abstract_mesh():
   """``summarize`` of ``dion`` from abstract shapes on FSDP 8: per matrix its
   rank and Dion's ring-model bytes (P = M·Q needs no sum when the rows are
-  split; Q is gathered, R = Mᵀ·P reduce-scattered and gathered, the sketch and
-  the Gram all-reduced over the 8 devices), beside a whole-matrix exchange's
+  split; Q is gathered, R = Mᵀ·P reduce-scattered and gathered, the Gram
+  matrices all-reduced over the 8 devices), beside a whole-matrix exchange's
   bytes; twice the power iterations, twice the per-iteration bytes."""
   mesh = jax.sharding.AbstractMesh(
       (8,), ("fsdp",), axis_types=(AxisType.Explicit,)
@@ -628,23 +628,23 @@ def test_summary_of_dion_on_an_abstract_mesh():
   }
   summary = om.summarize(params, om.dion(0.1, rank_fraction=0.25))
   row = {r.path: r for r in summary.rows}["w"]
-  r, k, ring = 16, 20, 7 / 8
+  r, ring = 16, 7 / 8
   assert (row.rank, row.optimizer) == (r, "muon")
-  # One matrix: summing its sketch and Gram (2·(k + r)·r) moves less than
-  # exchanging its P (2·m·r). Q gathered (n·r), R reduce-scattered and gathered
-  # back (2·n·r), the sums all-reduced, the column norms too.
+  # One matrix: summing its Gram matrix in each of the 3 Cholesky-QR passes
+  # (3·2·r²) moves less than exchanging its P (2·m·r). Q gathered (n·r), R
+  # reduce-scattered and gathered back (2·n·r), the column norms all-reduced.
   assert row.received_bytes == pytest.approx(
-      4 * ring * (3 * 256 * r + 2 * (k + r) * r + 2 * r)
+      4 * ring * (3 * 256 * r + 3 * 2 * r * r + 2 * r)
   )
   assert row.flops_per_device == pytest.approx(
-      8 * 8 * 256 * r + 8 * (2 * k * r + 6 * r * r) + 4 * k * r * r + 3 * r**3
+      8 * 8 * 256 * r + 3 * (4 * 8 * r * r + 2 * r**3)
   )
   assert row.exchange_bytes == pytest.approx(2 * 4 * 64 * 256 * 7 / 8)
   assert "exchange MB" in str(summary) and "on Dion" in str(summary)
   twice = om.summarize(
       params, om.dion(0.1, rank_fraction=0.25, power_iterations=2)
   )
-  per_iteration = 4 * ring * (2 * 256 * r + 2 * (k + r) * r)
+  per_iteration = 4 * ring * (2 * 256 * r + 3 * 2 * r * r)
   assert {r.path: r for r in twice.rows}["w"].received_bytes == pytest.approx(
       row.received_bytes + per_iteration
   )

@@ -27,7 +27,6 @@ from optax_muon._src.core.spec import (
     static_or_injected,
 )
 from optax_muon._src.dion.settings import make_settings
-from optax_muon._src.dion.matrix import OVERSAMPLE
 from optax_muon._src.dion.transform import (
     DionReplicaState,
     DionState,
@@ -58,7 +57,6 @@ def dion(
     adam_weight_decay_mask: Any = None,
     cautious_weight_decay: bool = False,
     qk_clip: QKClip | None = None,
-    oversample: float = OVERSAMPLE,
     seed: int = 0,
     product_dtype: jax.typing.DTypeLike | None = None,
     power_iterations: int = 1,
@@ -92,7 +90,7 @@ def dion(
     muon_weight_dimension_numbers, consistent_rms, scale, routing: as in
       ``muon``.
     param_shardings, cautious_weight_decay, qk_clip: as in ``muon``.
-    oversample, seed, product_dtype, power_iterations: see ``scale_by_dion``.
+    seed, product_dtype, power_iterations: see ``scale_by_dion``.
     replica_axes: the data-parallel mesh axis name(s) whose replicas sync only
       rank-r factors (see ``scale_by_dion``); the AdamW leaves' gradients are
       averaged over them. Every gradient leaf then comes per replica: under
@@ -122,7 +120,6 @@ def dion(
     <https://arxiv.org/abs/2504.05295>`_, 2025.
   """
   check_number("beta", beta, 0.0, 1.0)
-  check_number("oversample", oversample, 1.0)
   check_alias_arguments(
       learning_rate=learning_rate,
       adam_learning_rate=adam_learning_rate,
@@ -149,7 +146,6 @@ def dion(
   settings = make_settings(
       options,
       rank_fraction,
-      oversample,
       product_dtype,
       power_iterations,
       replica_axes,

@@ -21,7 +21,11 @@ import math
 
 from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.dion.matrix import DionMatrix
-from optax_muon._src.dion.orthonormalization import classes, exchange_pays
+from optax_muon._src.dion.orthonormalization import (
+    PASSES,
+    classes,
+    exchange_pays,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +114,19 @@ def _leaf_cost(
     matrix: DionMatrix, itemsize: int, count: int, exchanged: bool
 ) -> DionCost:
   """One leaf's step on one device, its class of ``count`` matrices on the
-  device orthonormalized by exchange or by summed sketches."""
+  device orthonormalized by exchange or by summed Gram matrices."""
   size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
   g_r, g_c = size(matrix.row_axes), size(matrix.col_axes)
   replicas = matrix.replicas
   batch = _batch(matrix)
-  m, n, r, k = matrix.m, matrix.n, matrix.rank, matrix.sketch
+  m, n, r = matrix.m, matrix.n, matrix.rank
   m_local, n_local = m / g_r, n / g_c
   split = matrix.q_split is not None
   share = batch / count  # this leaf's part of its class
   owned = math.ceil(count / g_r)  # matrices orthonormalized here, by exchange
-  factorizations = 4 * k * r * r + 3 * r**3  # R factor twice over, 3 r × r
+  # Per Cholesky-QR pass: the Gram matrix and P·T (m × r × r each), the
+  # Cholesky factor and its inverse (r³ each, by their leading terms).
+  per_pass = lambda rows: 4 * rows * r * r + 2 * r**3
   traffic = _Traffic()
   if matrix.replica_axes and not matrix.compressed:  # the averaged gradient
     traffic.all_reduce(batch * m_local * n_local * itemsize, replicas, replicas)
@@ -136,14 +142,14 @@ def _leaf_cost(
       traffic.all_reduce(p_bytes, g_c * replicas, replicas)
     else:
       traffic.all_reduce(p_bytes, g_c)
-    sketching = 0 if matrix.identity_sketch else 2 * k * r
     if exchanged:  # whole P's there and back; the owner does everything
       for _ in range(2):
         traffic.all_gather(share * owned * m * r * itemsize, g_r)
-      flops += share * owned * (m * (sketching + 6 * r * r) + factorizations)
-    else:  # sketches and Grams summed; every device factorizes them all
-      flops += batch * (m_local * (sketching + 6 * r * r) + factorizations)
-      traffic.all_reduce(batch * (k + r) * r * itemsize, g_r)
+      flops += share * owned * PASSES * per_pass(m)
+    else:  # Grams summed in each pass; every device factorizes them all
+      flops += batch * PASSES * per_pass(m_local)
+      for _ in range(PASSES):
+        traffic.all_reduce(batch * r * r * itemsize, g_r)
     r_bytes = batch * n_local * r * itemsize
     if split:
       traffic.reduce_scatter(r_bytes / g_r, g_r)

@@ -1,11 +1,11 @@
 """The small factorizations of Dion's orthonormalization, blocked so that they
 compile in bounded time.
 
-Dion orthonormalizes P through three r × r (or k × r) factorizations per
-matrix: the R factor of a sketch, a Cholesky factor and triangular inverses.
-XLA's own expansions of these on TPUs grow with r and with the batch: at r =
-1024 one orthonormalization takes the TPU compiler about 23 CPU seconds, a batch
-of 32 minutes. Here each factorization of a side longer than ``BLOCK`` is a
+Dion orthonormalizes P through r × r factorizations: Cholesky factors and their
+triangular inverses. XLA's own expansions of these on TPUs grow with r and with
+the batch: at r = 1024 a Householder QR, a Cholesky factorization and two
+triangular inverses take the TPU compiler about 23 CPU seconds, a batch of 32
+of them minutes. Here each factorization of a side longer than ``BLOCK`` is a
 ``lax.fori_loop`` over column (or row) blocks of ``BLOCK``, whose body calls the
 library only on ``BLOCK``-sized pieces and otherwise multiplies matrices: the
 compiler sees one body per shape, whatever r and the batch. Sides up to
@@ -49,45 +49,6 @@ def _blocks(side: int) -> tuple[int, int]:
   """(padded side, number of blocks) for a side longer than ``BLOCK``."""
   count = -(-side // BLOCK)
   return count * BLOCK, count
-
-
-def r_factor(a: jax.Array) -> jax.Array:
-  """R of the thin QR of ``a``, (…, k, r) with k ≥ r → (…, r, r), upper
-  triangular.
-
-  Blocked classical Gram–Schmidt with reorthogonalization: each block of columns
-  is projected off the ones before it twice, then factorized by the library's
-  QR (Householder), so the columns of A·R⁻¹ are orthonormal to rounding for any
-  A of full numerical rank. A block that is numerically zero gives a zero (or
-  tiny) diagonal, as Householder QR would.
-  """
-  k, r = a.shape[-2:]
-  if r <= BLOCK:
-    return jnp.linalg.qr(a, mode="r")
-  side, count = _blocks(r)
-  a = _padded(a, side - r, side - r)
-  zeros = jnp.zeros(a.shape[:-2] + (side, side), a.dtype)
-  basis = jnp.zeros(a.shape, a.dtype)
-
-  def body(j, carry):
-    basis, factor = carry
-    block = jax.lax.dynamic_slice_in_dim(a, j * BLOCK, BLOCK, axis=-1)
-    # Columns of `basis` from block j on are still zero: they project nothing.
-    first = _mm("...ki,...kj->...ij", basis, block)
-    block = block - _mm("...ki,...ij->...kj", basis, first)
-    second = _mm("...ki,...kj->...ij", basis, block)
-    block = block - _mm("...ki,...ij->...kj", basis, second)
-    q, diagonal = jnp.linalg.qr(block)
-    column = jax.lax.dynamic_update_slice_in_dim(
-        first + second, diagonal, j * BLOCK, axis=-2
-    )
-    return (
-        jax.lax.dynamic_update_slice_in_dim(basis, q, j * BLOCK, axis=-1),
-        jax.lax.dynamic_update_slice_in_dim(factor, column, j * BLOCK, axis=-1),
-    )
-
-  _, factor = jax.lax.fori_loop(0, count, body, (basis, zeros))
-  return factor[..., :r, :r]
 
 
 def cholesky(g: jax.Array) -> jax.Array:
@@ -154,8 +115,3 @@ def lower_inverse(lower: jax.Array) -> jax.Array:
 
   inverse = jax.lax.fori_loop(0, count, body, jnp.zeros_like(lower))
   return inverse[..., :r, :r]
-
-
-def upper_inverse(upper: jax.Array) -> jax.Array:
-  """U⁻¹ of an upper triangular ``upper`` (…, r, r)."""
-  return jnp.swapaxes(lower_inverse(jnp.swapaxes(upper, -1, -2)), -1, -2)

@@ -1,5 +1,5 @@
 """``DionMatrix``: the static facts of one matrix leaf for Dion (its axes, rank,
-sketch, where its blocks lie and which mesh axes each sum runs over).
+where its blocks lie and which mesh axes each sum runs over).
 
 A leaf is seen as ``batch`` matrices of ``rows × cols`` (the layout's
 Newton–Schulz orientation: rows the short side), without reshaping: its axes
@@ -7,7 +7,7 @@ are permuted to (batch axes, row axes, column axes), the *view*, which moves
 nothing between devices. Four groups of mesh axes matter:
 
 * the row axes split the rows: P = M·Q is split like them, R = Mᵀ·P is summed
-  over them, and so are the sketch and the Gram matrix of P;
+  over them, and P is orthonormalized across them;
 * the column axes split the columns: P = M·Q is summed over them;
 * the batch axes split the batch: nothing crosses them;
 * the replica axes (data parallelism) hold one replica of the param each; with
@@ -29,10 +29,6 @@ from jax.sharding import PartitionSpec
 
 from optax_muon._src.core.matrices import MatrixLayout
 from optax_muon._src.core.sharding import LeafSharding
-
-#: Sketch rows per unit of rank in the randomized Cholesky-QR (microsoft/dion's
-#: default).
-OVERSAMPLE = 1.25
 
 _BATCH, _ROWS, _COLS = "abcdefg", "hijkl", "mnopq"
 
@@ -66,9 +62,6 @@ class DionMatrix:
     view: the leaf's global shape in that order.
     batch, rows, cols: how many axes of each kind.
     rank: r.
-    sketch: the sketch's rows k, ``ceil(oversample · r)``; where that is no
-      fewer than the rows m the sketch is the identity (``identity_sketch``) and
-      k = m.
     dim_axes: per axis of ``view``, the mesh axes that split it, major to minor
       (empty without sharding).
     mesh: the mesh, or None without sharding.
@@ -91,7 +84,6 @@ class DionMatrix:
   rows: int
   cols: int
   rank: int
-  sketch: int
   dim_axes: tuple[tuple[str, ...], ...]
   mesh: Any = None
   replica_axes: tuple[str, ...] = ()
@@ -108,7 +100,6 @@ class DionMatrix:
       sharding: LeafSharding | None,
       rank: int,
       *,
-      oversample: float = OVERSAMPLE,
       replica_axes: tuple[str, ...] = (),
       product_dtype: Any = None,
       power_iterations: int = 1,
@@ -153,7 +144,6 @@ class DionMatrix:
         rows=len(rows),
         cols=len(cols),
         rank=rank,
-        sketch=min(m, math.ceil(oversample * rank)),
         dim_axes=dim_axes,
         mesh=mesh,
         replica_axes=tuple(replica_axes) if mesh else (),
@@ -180,12 +170,6 @@ class DionMatrix:
   def count(self) -> int:
     """Matrices in the leaf."""
     return math.prod(self.view[: self.batch])
-
-  @property
-  def identity_sketch(self) -> bool:
-    """Whether the sketch is the identity (P has no more rows than a sketch
-    would have): its 'sketch' is P itself, its rows gathered."""
-    return self.sketch == self.m
 
   @property
   def batch_dims(self) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from optax_muon._src.core import tree_utils
 from optax_muon._src.core.spec import TreeOptions, TreeSpec
-from optax_muon._src.dion.matrix import OVERSAMPLE, DionMatrix, rank_of
+from optax_muon._src.dion.matrix import DionMatrix, rank_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,7 +22,6 @@ class DionSettings:
     options: the routing, dimension numbers, shardings and the other options
       shared with ``muon``.
     rank_fraction: the frozen per-leaf rank fractions.
-    oversample: sketch rows per unit of rank.
     product_dtype: the dtype of the large products' operands, or None.
     power_iterations: subspace-iteration steps per optimizer step.
     replica_axes: the data-parallel mesh axes whose replicas sync only rank-r
@@ -31,7 +30,6 @@ class DionSettings:
 
   options: TreeOptions
   rank_fraction: Any
-  oversample: float = OVERSAMPLE
   product_dtype: Any = None
   power_iterations: int = 1
   replica_axes: tuple[str, ...] = ()
@@ -42,7 +40,6 @@ class DionSettings:
         spec,
         tree,
         self.rank_fraction,
-        self.oversample,
         self.product_dtype,
         self.power_iterations,
         self.replica_axes,
@@ -64,7 +61,6 @@ def _matrices(
     spec: TreeSpec,
     tree: Any,
     rank_fraction: Any,
-    oversample: float,
     product_dtype: Any = None,
     power_iterations: int = 1,
     replica_axes: tuple[str, ...] = (),
@@ -99,7 +95,6 @@ def _matrices(
             leaf.layout,
             leaf.sharding,
             rank_of(fraction, leaf.layout),
-            oversample=oversample,
             replica_axes=replica_axes,
             product_dtype=product_dtype,
             power_iterations=power_iterations,
@@ -128,7 +123,6 @@ def _check_replica_axes(leaf: Any, replica_axes: tuple[str, ...]) -> None:
 def make_settings(
     options: TreeOptions,
     rank_fraction: Any,
-    oversample: float,
     product_dtype: Any,
     power_iterations: Any,
     replica_axes: Any = None,
@@ -142,7 +136,6 @@ def make_settings(
   return DionSettings(
       options=options,
       rank_fraction=_freeze_fraction(rank_fraction),
-      oversample=oversample,
       product_dtype=_product_dtype(product_dtype),
       power_iterations=_power_iterations(power_iterations),
       replica_axes=replica_axes_of(replica_axes),

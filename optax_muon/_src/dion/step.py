@@ -110,7 +110,6 @@ def local_step(
     momenta: list[jax.Array],
     qs: list[jax.Array],
     beta: Any,
-    key: jax.Array,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
   """Dion's step of every leaf on this device's blocks.
 
@@ -125,7 +124,6 @@ def local_step(
     qs: this device's blocks of Q (``DionMatrix.q_shape``, laid out by
       ``q_spec``).
     beta: μ, the momentum decay; may be traced.
-    key: this step's key (each leaf's sketch key folds in its position).
 
   Returns:
     Per leaf (direction P·Qᵀ in the leaf's axis order and the state's dtype,
@@ -142,13 +140,10 @@ def local_step(
       g = jax.lax.psum(g, matrix.replica_axes) / matrix.replicas
     ms.append(jnp.transpose(b, matrix.perm) + g)
   rs = [_gathered(mx, q) for mx, q in zip(matrices, qs)]
-  keys = [jax.random.fold_in(key, k) for k in range(len(matrices))]
   iterations = max((mx.power_iterations for mx in matrices), default=0)
-  for it in range(iterations):
+  for _ in range(iterations):
     ps = [_p(mx, m, r) for mx, m, r in zip(matrices, ms, rs)]
-    ps = orthonormalize(
-        matrices, ps, [jax.random.fold_in(k, it) if it else k for k in keys]
-    )
+    ps = orthonormalize(matrices, ps)
     shards = [
         _r_shard(
             mx,
@@ -200,14 +195,13 @@ def run_step(
     momenta: list[jax.Array],
     qs: list[jax.Array],
     beta: Any,
-    key: jax.Array,
     manual: frozenset[str],
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
   """``local_step`` of every leaf, under ``jax.shard_map`` over the mesh axes
   its leaves run over that are not ``manual`` yet.
 
   Args:
-    matrices, momenta, qs, beta, key: as ``local_step``'s (global arrays
+    matrices, momenta, qs, beta: as ``local_step``'s (global arrays
       along the axes that are not manual).
     grads: per leaf G: with replicas, under ``jax.jit`` a leading replica axis
       of the replica count; where the replica axes are manual, the replica's
@@ -226,7 +220,7 @@ def run_step(
   sharded = [k for k, mx in enumerate(matrices) if mx.mesh is not None]
   todo = frozenset().union(*(matrices[k].used_axes for k in sharded)) - manual
   if not todo:
-    return local_step(matrices, grads, momenta, qs, beta, key)
+    return local_step(matrices, grads, momenta, qs, beta)
   unsharded = [k for k in range(len(matrices)) if k not in sharded]
   out = [[None] * len(matrices) for _ in range(3)]
   if unsharded:
@@ -239,7 +233,6 @@ def run_step(
             pick(momenta, unsharded),
             pick(qs, unsharded),
             beta,
-            key,
         ),
     ):
       out[0][k], out[1][k], out[2][k] = d, b, q
@@ -252,8 +245,8 @@ def run_step(
   state = [_restricted(mx.leaf_spec(mx.compressed), todo) for mx in chosen]
   q = [_restricted(mx.q_spec, todo) for mx in chosen]
 
-  def body(grads, momenta, qs, beta, key):
-    return tuple(map(tuple, local_step(chosen, grads, momenta, qs, beta, key)))
+  def body(grads, momenta, qs, beta):
+    return tuple(map(tuple, local_step(chosen, grads, momenta, qs, beta)))
 
   # check_vma=False: the direction and Q are the same on every device of the
   # axes their out_specs leave out (sums by psum, gathers by all_gather), which
@@ -266,7 +259,6 @@ def run_step(
           tuple(state),
           tuple(q),
           PartitionSpec(),
-          PartitionSpec(),
       ),
       out_specs=(tuple(leaf), tuple(state), tuple(q)),
       axis_names=todo,
@@ -276,7 +268,6 @@ def run_step(
       tuple(momenta[k] for k in sharded),
       tuple(qs[k] for k in sharded),
       jnp.asarray(beta, jnp.float32),
-      key,
   )
   for j, k in enumerate(sharded):
     out[0][k], out[1][k], out[2][k] = directions[j], new_momenta[j], new_qs[j]

@@ -29,7 +29,6 @@ from optax_muon._src.core.sharding import manual_axes
 from optax_muon._src.core.spec import TreeOptions, branch_options, tree_spec
 from optax_muon._src.core.tree_utils import check_same_shapes
 from optax_muon._src.core.user_warnings import OncePerTransformation
-from optax_muon._src.dion.matrix import OVERSAMPLE
 from optax_muon._src.dion.report import DionReport
 from optax_muon._src.dion.settings import DionSettings, make_settings
 from optax_muon._src.dion.step import initial_momentum, initial_q, run_step
@@ -102,7 +101,7 @@ def dion_direction(
       ``dion``'s partition, not here) and Dion's own; ``init`` reports them for
       ``summarize``.
     beta: μ; may be traced.
-    seed: seeds Q's initial values and the sketches.
+    seed: seeds Q's initial values.
     warnings: where ``init`` issues the spec's warnings (``dion`` issues its
       own).
   """
@@ -172,7 +171,6 @@ def dion_direction(
         pick(buffers),
         pick(qs),
         beta,
-        jax.random.fold_in(base, count),
         manual_axes(),
     )
     out = list(grads) if not replica_axes else [None] * len(grads)
@@ -195,7 +193,6 @@ def scale_by_dion(
     *,
     weight_dimension_numbers: Any = None,
     param_shardings: Any = None,
-    oversample: float = OVERSAMPLE,
     seed: int = 0,
     product_dtype: jax.typing.DTypeLike | None = None,
     power_iterations: int = 1,
@@ -212,16 +209,15 @@ def scale_by_dion(
     M = B + G;  P = orthonormalize(M·Q);  R = Mᵀ·P
     B ← M − (1 − μ)·P·Rᵀ;  Q ← R with unit columns;  update = P·Qᵀ
 
-  ``orthonormalize`` is a randomized Cholesky-QR (an oversampled Gaussian
-  sketch, then Cholesky-QR), stable on ill-conditioned P; where the sketch would
-  have no fewer rows than P (m ≤ ⌈oversample·r⌉: rank fractions of 0.8 and
-  above at the default ``oversample``, full rank included) P itself takes the
-  sketch's place. At rank ``min(m, n)`` and a fixed gradient the update
-  converges to Muon's U·Vᵀ. On sharded leaves every product runs on the local
-  blocks, and what crosses devices is P's and R's partial sums, the sketches'
-  and r × r Grams' sums (reduce-scattered, so that each device factorizes a
-  share of the matrices, and the r × r results all-gathered), column norms, and
-  Q, which lies split over the param's row and column axes (n·r / (row shards ·
+  ``orthonormalize`` is a shifted Cholesky-QR in three passes (the first
+  shifted so that it succeeds on any P, the next two plain), stable on
+  ill-conditioned P: it gives P's Gram–Schmidt basis. At rank ``min(m, n)`` and
+  a fixed gradient the update converges to Muon's U·Vᵀ. On sharded leaves every
+  product runs on the local blocks, and what crosses devices is P's and R's
+  partial sums, P's rows (an all-to-all gives each device whole P's of its
+  share of the matrices to orthonormalize, and back; or, at low rank on few row
+  shards, the r × r Gram matrices are summed instead), column norms, and Q,
+  which lies split over the param's row and column axes (n·r / (row shards ·
   column shards) values per device), all-gathered over the row axes.
 
   With ``replica_axes`` (data parallelism: the mesh axes along which the params
@@ -243,10 +239,7 @@ def scale_by_dion(
       matrices.
     param_shardings: the params' shardings on Auto meshes, as
       ``scale_by_muon``'s; on Explicit meshes the leaves' types carry them.
-    oversample: sketch rows per unit of rank in the orthonormalization, at least
-      1.
-    seed: seeds Q's initial values (per leaf) and the sketches (per step and
-      leaf).
+    seed: seeds Q's initial values (per leaf).
     product_dtype: the operands' dtype of the four m × n × r products (M·Q,
       Mᵀ·P, P·Rᵀ, P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs
       them at the device's bfloat16 rate. None (default): the state's dtype at
@@ -287,7 +280,6 @@ def scale_by_dion(
     <https://arxiv.org/abs/2504.05295>`_, 2025.
   """
   check_number("beta", beta, 0.0, 1.0)
-  check_number("oversample", oversample, 1.0)
   options = TreeOptions(
       weight_dimension_numbers=weight_dimension_numbers,
       param_shardings=param_shardings,
@@ -296,7 +288,6 @@ def scale_by_dion(
       make_settings(
           options,
           rank_fraction,
-          oversample,
           product_dtype,
           power_iterations,
           replica_axes,
