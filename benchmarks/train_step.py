@@ -67,9 +67,9 @@ def make_mesh(target: str | None, shape: tuple[int, int]):
   return topologies.make_mesh(topo, shape, ("replica", "fsdp"))
 
 
-def loss_fn(heads: int, kv_heads: int):
+def loss_fn(heads: int, kv_heads: int, batch_axes=("replica", "fsdp")):
   """The Llama-like model's mean next-token cross entropy, ``(params, tokens)
-  -> loss``."""
+  -> loss``, its activations split along the batch over ``batch_axes``."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
@@ -97,9 +97,17 @@ def loss_fn(heads: int, kv_heads: int):
     h = rms(x, p["mlp_norm"])
     return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None
 
+  def batch_split(x):
+    spec = jax.sharding.PartitionSpec(batch_axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
   def loss(params, tokens):
-    x = params["embed"][tokens[:, :-1]]
-    x, _ = jax.lax.scan(jax.checkpoint(layer), x, params["blocks"])
+    x = batch_split(params["embed"][batch_split(tokens)[:, :-1]])
+    x, _ = jax.lax.scan(
+        jax.checkpoint(lambda x, p: layer(batch_split(x), p)),
+        x,
+        params["blocks"],
+    )
     logits = rms(x, params["final_norm"]) @ params["lm_head"]
     labels = tokens[:, 1:]
     return jnp.mean(
@@ -185,12 +193,27 @@ def measure(target, mesh_shape, tree, batch, ranks, names=None) -> list[dict]:
   mesh = make_mesh(target, mesh_shape)
   shapes = aot.TREES[tree]
   params, dims, _, shardings = aot.llama_tree(mesh, **shapes)
+  # The embedding split along its width (the rows a batch looks up are on
+  # every device; its gradient scatters locally), as MaxText lays it out.
+  shardings["embed"] = NamedSharding(mesh, P(None, "fsdp"))
+  params["embed"] = jax.ShapeDtypeStruct(
+      params["embed"].shape, params["embed"].dtype, sharding=shardings["embed"]
+  )
   tokens = jax.ShapeDtypeStruct(
       (batch, SEQUENCE + 1),
       jnp.int32,
       sharding=NamedSharding(mesh, P(("replica", "fsdp"))),
   )
-  loss = loss_fn(shapes["heads"], shapes["kv_heads"])
+  # Inside ``per_replica`` the replica axis is manual: a replica's activations
+  # split over "fsdp" alone.
+  losses = {
+      per_replica: loss_fn(
+          shapes["heads"],
+          shapes["kv_heads"],
+          ("fsdp",) if per_replica else ("replica", "fsdp"),
+      )
+      for per_replica in (False, True)
+  }
   replica = hlo_cost.mesh_coordinate(mesh.devices.shape, (0,))
   n = mesh.devices.size
   rows = []
@@ -198,7 +221,7 @@ def measure(target, mesh_shape, tree, batch, ranks, names=None) -> list[dict]:
     if names and name not in names:
       continue
     compiled, seconds = compile_step(
-        tx, per_replica, loss, params, tokens, mesh
+        tx, per_replica, losses[per_replica], params, tokens, mesh
     )
     cost = hlo_cost.analyze(compiled, n)
     memory = compiled.memory_analysis()
