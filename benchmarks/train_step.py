@@ -10,7 +10,10 @@ gradient and only rank-r factors cross the replica axis), each Dion at the
 given rank fractions. The model is a Llama-like decoder (``aot.TREES``: RMSNorm,
 grouped-query causal attention, SwiGLU MLP, layers scanned and rematerialized)
 on a batch of token sequences split over (replica, fsdp); its params lie FSDP
-over "fsdp" and are replicated over "replica".
+over "fsdp" (the embedding along its width) and are replicated over "replica";
+each layer's weights are gathered whole where they are used (explicit FSDP:
+left to itself, the partitioner inside ``per_replica`` passes activations
+around the FSDP ring instead, 3× the bytes).
 
 Per optimizer: the bytes a device receives per step over the replica axis
 (``hlo_cost.crossing_bytes``) and in all (ring model), temp and argument memory
@@ -81,7 +84,12 @@ def loss_fn(heads: int, kv_heads: int, batch_axes=("replica", "fsdp")):
         * (1 + scale)
     )
 
+  def gathered(w):
+    """FSDP: a layer's weight whole on every device while it is used."""
+    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec())
+
   def layer(x, p):
+    p = jax.tree.map(gathered, p)
     b, t, d = x.shape
     head = d // heads
     h = rms(x, p["attn_norm"])
@@ -102,13 +110,13 @@ def loss_fn(heads: int, kv_heads: int, batch_axes=("replica", "fsdp")):
     return jax.lax.with_sharding_constraint(x, spec)
 
   def loss(params, tokens):
-    x = batch_split(params["embed"][batch_split(tokens)[:, :-1]])
+    x = batch_split(gathered(params["embed"])[batch_split(tokens)[:, :-1]])
     x, _ = jax.lax.scan(
         jax.checkpoint(lambda x, p: layer(batch_split(x), p)),
         x,
         params["blocks"],
     )
-    logits = rms(x, params["final_norm"]) @ params["lm_head"]
+    logits = rms(x, params["final_norm"]) @ gathered(params["lm_head"])
     labels = tokens[:, 1:]
     return jnp.mean(
         jax.nn.logsumexp(logits, -1)
