@@ -64,6 +64,24 @@ def _array_bytes(type_text: str) -> int:
   )
 
 
+def _result_bytes(type_text: str, started: bool) -> int:
+  """The bytes of a collective's result: an asynchronous ``*-start`` has the
+  type (operands, result) on some backends (the GPU's all-gather and
+  reduce-scatter): its last element."""
+  text = type_text.strip()
+  if not (started and text.startswith("(")):
+    return _array_bytes(text)
+  depth, last = 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 1:
+      last = i + 1
+  return _array_bytes(text[last:-1])
+
+
 def _dims(type_text: str) -> list[int]:
   match = _ARRAY.search(type_text)
   return [int(d) for d in match.group(2).split(",") if d] if match else []
@@ -92,19 +110,25 @@ def _convolution_flops(line: str, type_text: str, rhs_dims: list[int]) -> int:
 
 
 def _group_size(line: str, default: int) -> int:
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-  if iota:
-    return int(iota.group(2))
-  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-  if groups and groups.group(1):
-    return len(groups.group(1).split(","))
-  return default
+  groups = _groups(line)
+  return len(groups[0]) if groups and "source_target_pairs" not in line else default
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
   """The device groups of a collective (``replica_groups`` written out, or in
   XLA's iota form ``[G,S]<=[dims]T(perm)``; a collective-permute's
   source–target pairs), or None where the line gives none (every device)."""
+  by_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if by_mesh:  # devices over named axes, row-major; groups vary the listed
+    axes = re.findall(r"'([^']+)'=(\d+)", by_mesh.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    varying = re.findall(r"'([^']+)'", by_mesh.group(2))
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    order = [i for i, a in enumerate(names) if a not in varying] + [
+        names.index(a) for a in varying
+    ]
+    size = math.prod(sizes[names.index(a)] for a in varying)
+    return tuple(map(tuple, ids.transpose(order).reshape(-1, size).tolist()))
   iota = re.search(
       r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line
   )
@@ -316,7 +340,7 @@ def analyze(compiled, device_count: int) -> HloCost:
         collectives.append(
             Collective(
                 base,
-                _array_bytes(type_text),
+                _result_bytes(type_text, opcode.endswith("-start")),
                 _group_size(line, device_count),
                 times,
                 in_loop[name],
