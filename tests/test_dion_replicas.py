@@ -335,7 +335,9 @@ def test_per_replica_gradients_train_like_averaged_ones():
   tx = om.dion(0.1, 0.5, replica_axes="replica", routing=routing)
   reference_tx = om.dion(0.1, 0.5, routing=routing)
   grads = jax.grad(loss)(params, x)
-  want, _ = reference_tx.update(grads, reference_tx.init(params), params)
+  want, _ = jax.jit(reference_tx.update)(
+      grads, reference_tx.init(params), params
+  )
   shard = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
   with jax.set_mesh(mesh):
     sharded = shard(params, P("fsdp"))
