@@ -65,21 +65,25 @@ def _array_bytes(type_text: str) -> int:
 
 
 def _result_bytes(type_text: str, started: bool) -> int:
-  """The bytes of a collective's result: an asynchronous ``*-start`` has the
-  type (operands, result) on some backends (the GPU's all-gather and
-  reduce-scatter): its last element."""
+  """The bytes of a collective's result: an asynchronous ``*-start`` has a
+  tuple type (operands, result, …) on some backends (the GPU's all-gather and
+  reduce-scatter, the TPU's all-to-all, with a context scalar after it): its
+  second element."""
   text = type_text.strip()
   if not (started and text.startswith("(")):
     return _array_bytes(text)
-  depth, last = 0, 1
+  depth, cuts = 0, [0]
   for i, ch in enumerate(text):
     if ch in "([{":
       depth += 1
     elif ch in ")]}":
       depth -= 1
     elif ch == "," and depth == 1:
-      last = i + 1
-  return _array_bytes(text[last:-1])
+      cuts.append(i)
+  if len(cuts) < 2:
+    return _array_bytes(text)
+  end = cuts[2] if len(cuts) > 2 else len(text) - 1
+  return _array_bytes(text[cuts[1] + 1 : end])
 
 
 def _dims(type_text: str) -> list[int]:

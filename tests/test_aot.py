@@ -111,18 +111,29 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
     two = out["two_hosts"]
     assert two["stages"] >= 2 and two["conditionals"], two
     assert two["overlapped"] >= 0.5, two
-  # Dion (rank 1/4 of 256: r = 64): no all-to-all and no gathered matrix; the
-  # compiler receives what summarize models (its ring model), give or take the
-  # partitioner's reshards.
+  # Dion (rank 1/4 of 256: r = 64): nothing larger gathered than the factors
+  # (Q or R of q and up, (256 + 1024) × 64, which the GPU compiler gathers in
+  # one), all-to-alls only for P. The GPU compiler receives exactly what
+  # summarize models (its ring model) and puts no collective in a loop. The TPU
+  # compiler gathers Q and R again for their differently laid out consumers,
+  # some inside the Cholesky-QR loop (counted per trip), up to 3× the modelled
+  # bytes.
   dion = out["dion"]
-  assert (
-      "all-to-all" not in dion["kinds"] and dion["loop_collectives"] == 0
-  ), dion
-  assert (
-      dion["largest_gather"] <= (256 + 256) * 64 * 4
-  ), dion  # the smallest (m + n)·r
-  assert (
-      dion["modelled_bytes"]
-      <= dion["received_bytes"]
-      <= 1.2 * dion["modelled_bytes"]
-  ), dion
+  assert set(dion["kinds"]) <= {
+      "all-gather",
+      "all-reduce",
+      "all-to-all",
+      "reduce-scatter",
+  }, dion
+  assert dion["largest_gather"] <= (256 + 1024) * 64 * 4, dion
+  if platform == "cuda":
+    assert dion["loop_collectives"] == 0, dion
+    assert dion["received_bytes"] == pytest.approx(
+        dion["modelled_bytes"], rel=1e-6
+    ), dion
+  else:
+    assert (
+        dion["modelled_bytes"]
+        <= dion["received_bytes"]
+        <= 3 * dion["modelled_bytes"]
+    ), dion
