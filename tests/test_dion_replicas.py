@@ -123,7 +123,7 @@ def _compare_buffers(state, reference_state):
         ("replica2xfsdp4", "jit"),
         pytest.param("replica2xfsdp2xtp2", "jit", marks=pytest.mark.slow),
         pytest.param("replica2xfsdp4", "shard_map", marks=pytest.mark.slow),
-        ("replica2xfsdp2xtp2", "shard_map"),
+        pytest.param("replica2xfsdp2xtp2", "shard_map", marks=pytest.mark.slow),
         ("replica2xfsdp4", "shard_map over the replicas"),
         pytest.param(
             "replica2xfsdp2xtp2",
