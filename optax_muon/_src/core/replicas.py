@@ -25,6 +25,21 @@ from optax_muon._src.core import tree_utils
 from optax_muon._src.core.sharding import manual_axes, typed_sharding
 
 
+def check_replica_mesh(
+    mesh: Any, replica_axes: tuple[str, ...], where: str, fix: str
+) -> None:
+  """Raises: ValueError (starting with ``where``) unless ``mesh`` is a mesh
+  with every replica axis; ``fix`` says how to give one."""
+  if mesh is None or mesh.empty:
+    raise ValueError(f"{where}: replica_axes={replica_axes} needs {fix}.")
+  missing = [a for a in replica_axes if a not in mesh.shape]
+  if missing:
+    raise ValueError(
+        f"{where}: replica axes {missing} are not axes of the mesh"
+        f" {dict(mesh.shape)}."
+    )
+
+
 def replicas_are_manual(replica_axes: tuple[str, ...]) -> bool:
   """Whether the replica axes are manual here (inside ``shard_map`` over them),
   so that each device holds its own replica's gradient without a replica
@@ -164,17 +179,12 @@ def per_replica(
 
   def wrapped(*args):
     where = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if where is None or where.empty:
-      raise ValueError(
-          "per_replica needs a mesh: call it under `with jax.set_mesh(mesh):`"
-          " or pass mesh=."
-      )
-    missing = [a for a in axes if a not in where.shape]
-    if missing:
-      raise ValueError(
-          f"per_replica: replica axes {missing} are not axes of the mesh"
-          f" {dict(where.shape)}."
-      )
+    check_replica_mesh(
+        where,
+        axes,
+        "per_replica",
+        "a mesh: call it under `with jax.set_mesh(mesh):` or pass mesh=",
+    )
     in_specs = tuple(
         PartitionSpec(axes) if k in split else PartitionSpec()
         for k in range(len(args))

@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from optax_muon._src.core import tree_utils
+from optax_muon._src.core.replicas import check_replica_mesh
 from optax_muon._src.core.spec import TreeOptions, TreeSpec
 from optax_muon._src.dion.matrix import DionMatrix, rank_of
 
@@ -106,18 +107,13 @@ def _matrices(
 def _check_replica_axes(leaf: Any, replica_axes: tuple[str, ...]) -> None:
   """Raises: ValueError unless the leaf lies on a mesh with every replica
   axis."""
-  mesh = None if leaf.sharding is None else leaf.sharding.mesh
-  if mesh is None:
-    raise ValueError(
-        f"{leaf.path}: replica_axes={replica_axes} needs the params' mesh: give"
-        " the params a NamedSharding (Explicit meshes) or pass param_shardings."
-    )
-  missing = [a for a in replica_axes if a not in mesh.shape]
-  if missing:
-    raise ValueError(
-        f"{leaf.path}: replica axes {missing} are not axes of the params' mesh"
-        f" {dict(mesh.shape)}."
-    )
+  check_replica_mesh(
+      None if leaf.sharding is None else leaf.sharding.mesh,
+      replica_axes,
+      leaf.path,
+      "the params' mesh: give the params a NamedSharding (Explicit meshes) or"
+      " pass param_shardings",
+  )
 
 
 def make_settings(
