@@ -3,7 +3,7 @@ gradient, its mean, and ``per_replica``, which makes such gradients.
 
 With a compressed replica sync (``dion(..., replica_axes=...)``) the optimizer
 receives each replica's own gradient. Under ``jax.jit`` a gradient leaf then
-carries a leading *replica axis*: (replicas, *param shape), split over the
+carries a leading *replica axis*: ``(replicas, *param_shape)``, split over the
 replica mesh axes, entry i the gradient of replica i's share of the batch.
 Inside a ``shard_map`` whose manual axes include the replica axes a device's
 gradient is simply its replica's, shaped like the param's block, and sums over

@@ -94,7 +94,7 @@ def dion(
     replica_axes: the data-parallel mesh axis name(s) whose replicas sync only
       rank-r factors (see ``scale_by_dion``); the AdamW leaves' gradients are
       averaged over them. Every gradient leaf then comes per replica: under
-      ``jax.jit`` (replicas, *param shape) (``optax_muon.per_replica``).
+      ``jax.jit`` ``(replicas, *param_shape)`` (``optax_muon.per_replica``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose matrix branch's state is

@@ -225,7 +225,7 @@ def scale_by_dion(
   buffer per replica (``DionReplicaState``); for matrices where (m + n)·r < m·n
   only P's and R's sums cross the replica axes (averaged, so the update equals
   Dion's on the replicas' mean gradient), for the others the gradient is
-  averaged. Under ``jax.jit`` each gradient leaf is (replicas, *param shape)
+  averaged. Under ``jax.jit`` each gradient leaf is ``(replicas, *param_shape)``
   (``optax_muon.per_replica`` makes them); inside a ``shard_map`` over the
   replica axes a device passes its replica's own gradient.
 
