@@ -115,7 +115,11 @@ def _convolution_flops(line: str, type_text: str, rhs_dims: list[int]) -> int:
 
 def _group_size(line: str, default: int) -> int:
   groups = _groups(line)
-  return len(groups[0]) if groups and "source_target_pairs" not in line else default
+  return (
+      len(groups[0])
+      if groups and "source_target_pairs" not in line
+      else default
+  )
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
