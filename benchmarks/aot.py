@@ -58,17 +58,21 @@ class Target:
     topology: libtpu's topology name, or the GPU's ``partitions x hosts x
       devices``.
     gpu_config: the GPU target config file (``*.txtpb``), GPU only.
+    slices: TPU slices joined over the data-center network (libtpu's
+      ``num_slices``), TPU only.
   """
 
   platform: str
   topology: str
   gpu_config: str = ""
+  slices: int = 1
 
 
 TARGETS = {
     "tpu-v5e-4": Target("tpu", "v5e:2x2"),
     "tpu-v5e-16": Target("tpu", "v5e:4x4"),
     "tpu-v5p-256": Target("tpu", "v5p:8x8x4"),
+    "tpu-v5p-2x64": Target("tpu", "v5p:4x4x4", slices=2),
     "gpu-h100-8": Target("cuda", "1x1x8", "h100_sxm.txtpb"),
     "gpu-h100-2x8": Target("cuda", "1x2x8", "h100_sxm.txtpb"),
     "gpu-h200-4x8": Target("cuda", "1x4x8", "h200.txtpb"),

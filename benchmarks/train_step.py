@@ -48,6 +48,7 @@ def make_mesh(target: str | None, shape: tuple[int, int]):
   """A ("replica", "fsdp") mesh over the target's devices (this host's CPU
   devices without one), replicas major: across hosts on a GPU cluster."""
   import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
   from jax.experimental import topologies  # noqa: PLC0415
 
   if target is None:
@@ -57,6 +58,19 @@ def make_mesh(target: str | None, shape: tuple[int, int]):
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
     )
   spec = aot.TARGETS[target]
+  if spec.platform == "tpu" and spec.slices > 1:
+    # A replica per slice: the replica axis runs over the data-center network.
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=spec.topology, num_slices=spec.slices
+    )
+    devices = sorted(topo.devices, key=lambda d: (d.slice_index, d.id))
+    if shape[0] % spec.slices:
+      raise ValueError(f"--mesh: {shape[0]} replicas over {spec.slices} slices")
+    return jax.sharding.Mesh(
+        np.array(devices).reshape(shape),
+        ("replica", "fsdp"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
   if spec.platform == "tpu":
     topo = topologies.get_topology_desc(
         platform="tpu", topology_name=spec.topology
