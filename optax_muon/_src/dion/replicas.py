@@ -52,9 +52,10 @@ def average_replicas(state: Any, like: Any = None) -> Any:
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_muon
-    >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-    >>> w = jax.device_put(jnp.zeros((16, 64)),
-    ...                    jax.NamedSharding(mesh, jax.P("fsdp")))
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"),
+    ...                      axis_types=(AxisType.Explicit,) * 2)
+    >>> w = jax.device_put(jnp.zeros((16, 64)), NamedSharding(mesh, P("fsdp")))
     >>> tx = optax_muon.scale_by_dion(0.25, replica_axes="data")
     >>> state = tx.init({"w": w})
     >>> state.replica_momentum["w"].shape    # a buffer per replica
