@@ -21,6 +21,7 @@ from helpers import (
     rel_err,
     singular_values,
 )
+from optax_muon._src.dion import settings as dion_settings
 from optax_muon._src.dion.matrix import rank_of
 from optax_muon._src.core.matrices import make_layout
 from trees import gpt_tree, muon_dims
@@ -591,10 +592,24 @@ def test_summary_models_the_compiled_collectives(case, fraction):
 def test_bfloat16_products():
   """``product_dtype="bfloat16"``: the four large products take bfloat16
   operands (seen in the jaxpr) and the update stays within bfloat16 rounding of
-  the float32 one; other dtypes are refused."""
+  the float32 one; the default ``"auto"`` is float32 on the CPU (bfloat16 on
+  TPUs and GPUs, with the orthonormalization at ``Precision.HIGH`` on TPUs
+  only); other dtypes are refused."""
   params = {"w": jnp.zeros((32, 64))}
   grads = [{"w": normal(jax.random.key(t), (32, 64))} for t in range(3)]
-  full, _ = _run(om.scale_by_dion(0.5), params, grads)
+  full, _ = _run(om.scale_by_dion(0.5, product_dtype=None), params, grads)
+  auto, _ = _run(om.scale_by_dion(0.5), params, grads)
+  np.testing.assert_array_equal(auto["w"], full["w"])
+  bf16, highest = jnp.dtype(jnp.bfloat16), jax.lax.Precision.HIGHEST
+  assert dion_settings._resolved_dtype("auto", "tpu") == bf16
+  assert dion_settings._resolved_dtype("auto", "gpu") == bf16
+  assert dion_settings._resolved_dtype("auto", "cpu") is None
+  assert dion_settings._resolved_dtype(None, "tpu") is None
+  assert dion_settings._orthonormal_precision(bf16, "tpu") == (
+      jax.lax.Precision.HIGH
+  )
+  for dtype, platform in [(bf16, "gpu"), (None, "tpu"), (jnp.float32, "tpu")]:
+    assert dion_settings._orthonormal_precision(dtype, platform) == highest
   tx = om.scale_by_dion(0.5, product_dtype="bfloat16")
   low, _ = _run(tx, params, grads)
   assert 1e-4 < rel_err(low["w"], full["w"]) < 3e-2
@@ -602,7 +617,7 @@ def test_bfloat16_products():
   jaxpr = str(jax.make_jaxpr(tx.update)(grads[0], state))
   assert jaxpr.count("preferred_element_type=float32") >= 4 and "bf16" in jaxpr
   with pytest.raises(
-      ValueError, match="product_dtype must be a floating-point dtype"
+      ValueError, match="product_dtype must be 'auto', a floating-point dtype"
   ):
     om.dion(0.1, product_dtype="int8")
   with pytest.raises(ValueError, match="power_iterations must be an int ≥ 1"):

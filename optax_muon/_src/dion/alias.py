@@ -58,7 +58,7 @@ def dion(
     cautious_weight_decay: bool = False,
     qk_clip: QKClip | None = None,
     seed: int = 0,
-    product_dtype: jax.typing.DTypeLike | None = None,
+    product_dtype: jax.typing.DTypeLike | str | None = "auto",
     power_iterations: int = 1,
     replica_axes: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:

@@ -17,14 +17,13 @@ replica axes when it runs over the other devices first.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.dion.matrix import DionMatrix
 from optax_muon._src.dion.orthonormalization import (
     PASSES,
-    classes,
-    exchange_pays,
+    Bucket,
+    buckets,
 )
 
 
@@ -63,29 +62,42 @@ class _Traffic:
     self.collectives: list[float] = []
     self.replica = 0.0
 
-  def add(self, received: float, group: int, replicas: int = 1) -> None:
+  def add(
+      self, received: float, group: int, replicas: int = 1, peers: bool = False
+  ) -> None:
     """A collective receiving ``received`` bytes per device over ``group``
-    devices, ``replicas`` of them along the replica axes."""
+    devices, ``replicas`` of them along the replica axes; of it the share
+    (replicas − 1)/(group − 1) crosses them, or with ``peers`` (an
+    all-to-all: a part from each peer) the share of peers on other
+    replicas."""
     if received and group > 1:
       self.collectives.append(received)
-      self.replica += received * (replicas - 1) / (group - 1)
+      crossing = group - group / replicas if peers else replicas - 1
+      self.replica += received * crossing / (group - 1)
 
   def all_reduce(self, nbytes: float, group: int, replicas: int = 1) -> None:
     self.add(2 * nbytes * (group - 1) / group, group, replicas)
 
-  def all_gather(self, nbytes: float, group: int) -> None:
-    self.add(nbytes * (group - 1) / group, group)
+  def all_gather(self, nbytes: float, group: int, replicas: int = 1) -> None:
+    self.add(nbytes * (group - 1) / group, group, replicas)
 
-  def reduce_scatter(self, nbytes: float, group: int) -> None:
+  def reduce_scatter(
+      self, nbytes: float, group: int, replicas: int = 1
+  ) -> None:
     """To ``nbytes`` per device."""
-    self.add(nbytes * (group - 1), group)
+    self.add(nbytes * (group - 1), group, replicas)
+
+  def all_to_all(self, nbytes: float, group: int, replicas: int = 1) -> None:
+    """Of ``nbytes`` per device."""
+    self.add(nbytes * (group - 1) / group, group, replicas, peers=True)
 
 
 def step_costs(
     matrices: list[DionMatrix], itemsizes: list[int] | None = None
 ) -> list[DionCost]:
   """The cost of one Dion step of each leaf on one device (the matrices of a
-  step together: their orthonormalization is shared per class).
+  step together: their orthonormalization is shared per bucket, see
+  ``dion.orthonormalization``).
 
   Args:
     matrices: the leaves' static facts (views, ranks and shardings).
@@ -95,14 +107,12 @@ def step_costs(
     A ``DionCost`` per leaf.
   """
   costs = [None] * len(matrices)
-  for members in classes(matrices):
-    chosen = [matrices[k] for k in members]
-    count = sum(_batch(mx) for mx in chosen)
-    exchanged = exchange_pays(chosen[0], count)
-    for k, mx in zip(members, chosen):
-      costs[k] = _leaf_cost(
-          mx, 4 if itemsizes is None else itemsizes[k], count, exchanged
-      )
+  for bucket in buckets(matrices):
+    for index, c in enumerate(bucket.classes):
+      for k, mx in zip(c.members, c.matrices):
+        costs[k] = _leaf_cost(
+            mx, 4 if itemsizes is None else itemsizes[k], bucket, index
+        )
   return costs
 
 
@@ -110,11 +120,48 @@ def _batch(matrix: DionMatrix) -> int:
   return matrix.local_batch if matrix.mesh is not None else matrix.count
 
 
+def _orthonormalization(
+    traffic: _Traffic,
+    matrix: DionMatrix,
+    bucket: Bucket,
+    index: int,
+    itemsize: int,
+) -> float:
+  """The bytes of one leaf's part in its P's sums and orthonormalization
+  (into ``traffic``), and its share of the bucket's FLOPs; the leaf is of the
+  bucket's class ``index``."""
+  c = bucket.classes[index]
+  size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
+  batch, r = _batch(matrix), matrix.rank
+  replicas = matrix.replicas if matrix.compressed else 1
+  sums = size(matrix.col_axes) * replicas
+  g = c.size
+  if c.scattered:  # reduce-scattered along the rows, all-gathered at the end
+    traffic.reduce_scatter(batch * c.m / g * r * itemsize, g, replicas)
+  else:
+    traffic.all_reduce(batch * matrix.local_m * r * itemsize, sums, replicas)
+  # Over a scattered class's group the replicas (of a compressed matrix) too.
+  spanned = replicas if c.scattered else 1
+  if bucket.exchanged:  # whole P's there and back: the class's slots
+    exchanged = bucket.slots * c.m * r * itemsize
+    traffic.all_to_all(batch / c.count * exchanged, g, spanned)
+    (back,) = [ks for ks in bucket.returns() if index in ks]
+    returned = sum(bucket.classes[k].count for k in back)
+    traffic.all_to_all(batch / returned * exchanged, g, spanned)
+  else:  # Grams summed in each pass; every device factorizes them all
+    for _ in range(PASSES):
+      traffic.all_reduce(batch * r * r * itemsize, g, spanned)
+  if c.scattered:
+    traffic.all_gather(batch * c.m * r * itemsize, g, replicas)
+  share = batch / (bucket.total if bucket.exchanged else c.count)
+  return share * bucket.flops()
+
+
 def _leaf_cost(
-    matrix: DionMatrix, itemsize: int, count: int, exchanged: bool
+    matrix: DionMatrix, itemsize: int, bucket: Bucket, index: int
 ) -> DionCost:
-  """One leaf's step on one device, its class of ``count`` matrices on the
-  device orthonormalized by exchange or by summed Gram matrices."""
+  """One leaf's step on one device, its P's orthonormalized in ``bucket`` as
+  part of its class ``index``."""
   size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
   g_r, g_c = size(matrix.row_axes), size(matrix.col_axes)
   replicas = matrix.replicas
@@ -122,11 +169,6 @@ def _leaf_cost(
   m, n, r = matrix.m, matrix.n, matrix.rank
   m_local, n_local = m / g_r, n / g_c
   split = matrix.q_split is not None
-  share = batch / count  # this leaf's part of its class
-  owned = math.ceil(count / g_r)  # matrices orthonormalized here, by exchange
-  # Per Cholesky-QR pass: the Gram matrix and P·T (m × r × r each), the
-  # Cholesky factor and its inverse (r³ each, by their leading terms).
-  per_pass = lambda rows: 4 * rows * r * r + 2 * r**3
   traffic = _Traffic()
   if matrix.replica_axes and not matrix.compressed:  # the averaged gradient
     traffic.all_reduce(batch * m_local * n_local * itemsize, replicas, replicas)
@@ -137,19 +179,7 @@ def _leaf_cost(
   flops = 2 * 2 * m_local * n_local * r * batch
   for _ in range(matrix.power_iterations):
     flops += 2 * 2 * m_local * n_local * r * batch
-    p_bytes = batch * m_local * r * itemsize
-    if matrix.compressed:
-      traffic.all_reduce(p_bytes, g_c * replicas, replicas)
-    else:
-      traffic.all_reduce(p_bytes, g_c)
-    if exchanged:  # whole P's there and back; the owner does everything
-      for _ in range(2):
-        traffic.all_gather(share * owned * m * r * itemsize, g_r)
-      flops += share * owned * PASSES * per_pass(m)
-    else:  # Grams summed in each pass; every device factorizes them all
-      flops += batch * PASSES * per_pass(m_local)
-      for _ in range(PASSES):
-        traffic.all_reduce(batch * r * r * itemsize, g_r)
+    flops += _orthonormalization(traffic, matrix, bucket, index, itemsize)
     r_bytes = batch * n_local * r * itemsize
     if split:
       traffic.reduce_scatter(r_bytes / g_r, g_r)

@@ -1,23 +1,25 @@
 """The small factorizations of Dion's orthonormalization, blocked so that they
 compile in bounded time.
 
-Dion orthonormalizes P through r × r factorizations: Cholesky factors and their
-triangular inverses. XLA's own expansions of these on TPUs grow with r and with
-the batch: at r = 1024 a Householder QR, a Cholesky factorization and two
+Dion orthonormalizes P through an r × r factorization: the inverse of a
+Cholesky factor. XLA's own expansions of these on TPUs grow with r and with the
+batch: at r = 1024 a Householder QR, a Cholesky factorization and two
 triangular inverses take the TPU compiler about 23 CPU seconds, a batch of 32
-of them minutes. Here each factorization of a side longer than ``BLOCK`` is a
-``lax.fori_loop`` over column (or row) blocks of ``BLOCK``, whose body calls the
+of them minutes. Here a side longer than ``BLOCK`` is factorized and inverted
+in one ``lax.fori_loop`` over column blocks of ``BLOCK``, whose body calls the
 library only on ``BLOCK``-sized pieces and otherwise multiplies matrices: the
 compiler sees one body per shape, whatever r and the batch. Sides up to
 ``BLOCK`` call the library directly.
 
-Every function takes a batch of matrices in its leading axes. Sides that are not
-a multiple of ``BLOCK`` are padded with an identity block, which every one of
-these factorizations keeps apart from the matrix (the padded result is the
-result beside an identity).
+It takes a batch of matrices in its leading axes. Sides that are not a multiple
+of ``BLOCK`` are padded with an identity block, which the factorization keeps
+apart from the matrix (the padded result is the result beside an identity).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +28,6 @@ import jax.numpy as jnp
 BLOCK = 128
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _mm(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.einsum(subscripts, a, b, precision=_HIGHEST)
 
 
 def _padded(x: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -51,67 +49,58 @@ def _blocks(side: int) -> tuple[int, int]:
   return count * BLOCK, count
 
 
-def cholesky(g: jax.Array) -> jax.Array:
-  """The lower Cholesky factor L of a symmetric positive definite ``g``, (…, r,
-  r); right-looking by blocks of columns (NaN where ``g`` is not positive
-  definite, as the library's)."""
+def inverse_cholesky(g: jax.Array, precision: Any = _HIGHEST) -> jax.Array:
+  """L⁻¹ for the lower Cholesky factor L of a symmetric positive definite
+  ``g``, (…, r, r) (NaN where ``g`` is not positive definite, as the
+  library's); ``precision``: its products'.
+
+  Right-looking by blocks of columns, one loop for both factors: block j
+  factorizes the trailing block, L_jj = chol(S_jj), and sets L's rows below
+  it, L_ij = S_ij·L_jj⁻ᵀ (S: the trailing matrix, then S ← S − L_·j·L_·jᵀ), and
+  row block j of the inverse, X_j = L_jj⁻¹·[−L_j,<j·X_<j, I] (the rows of L left
+  of the diagonal are final by then).
+  """
   r = g.shape[-1]
-  if r <= BLOCK:
-    return jnp.linalg.cholesky(g)
-  side, count = _blocks(r)
-  g = _padded(g, side - r, side - r)
-  rows = jnp.arange(side)[:, None]
-
-  def body(j, carry):
-    trailing, lower = carry
-    column = jax.lax.dynamic_slice_in_dim(trailing, j * BLOCK, BLOCK, axis=-1)
-    diagonal = jnp.linalg.cholesky(
-        jax.lax.dynamic_slice_in_dim(column, j * BLOCK, BLOCK, axis=-2)
-    )
-    # L_ij = A_ij · L_jj⁻ᵀ for the rows below block j.
-    below = jax.lax.linalg.triangular_solve(
-        diagonal, column, left_side=False, lower=True, transpose_a=True
-    )
-    below = jnp.where(rows >= (j + 1) * BLOCK, below, 0)
-    trailing = trailing - _mm("...ib,...jb->...ij", below, below)
-    column = jax.lax.dynamic_update_slice_in_dim(
-        below, diagonal, j * BLOCK, axis=-2
-    )
-    return trailing, jax.lax.dynamic_update_slice_in_dim(
-        lower, column, j * BLOCK, axis=-1
-    )
-
-  _, lower = jax.lax.fori_loop(0, count, body, (g, jnp.zeros_like(g)))
-  return lower[..., :r, :r]
-
-
-def lower_inverse(lower: jax.Array) -> jax.Array:
-  """L⁻¹ of a lower triangular ``lower`` (…, r, r), by blocks of rows: row block
-  i of the inverse is −L_ii⁻¹·L_i,<i·X_<i, with X_<i the rows found before."""
-  r = lower.shape[-1]
-  eye = jnp.eye(min(r, BLOCK), dtype=lower.dtype)
-  solve = lambda l: jax.lax.linalg.triangular_solve(
-      l, jnp.broadcast_to(eye, l.shape), left_side=True, lower=True
+  eye = jnp.eye(min(r, BLOCK), dtype=g.dtype)
+  invert = lambda lower: jax.lax.linalg.triangular_solve(
+      lower, jnp.broadcast_to(eye, lower.shape), left_side=True, lower=True
   )
   if r <= BLOCK:
-    return solve(lower)
+    return invert(jnp.linalg.cholesky(g))
+  mm = functools.partial(jnp.einsum, precision=precision)
   side, count = _blocks(r)
-  lower = _padded(lower, side - r, side - r)
-  columns = jnp.arange(side)
+  g = _padded(g, side - r, side - r)
+  index = jnp.arange(side)
 
-  def body(i, inverse):
-    row = jax.lax.dynamic_slice_in_dim(lower, i * BLOCK, BLOCK, axis=-2)
-    diagonal = solve(
-        jax.lax.dynamic_slice_in_dim(row, i * BLOCK, BLOCK, axis=-1)
+  def body(j, carry):
+    trailing, lower, inverse = carry
+    column = jax.lax.dynamic_slice_in_dim(trailing, j * BLOCK, BLOCK, axis=-1)
+    diagonal_inverse = invert(
+        jnp.linalg.cholesky(
+            jax.lax.dynamic_slice_in_dim(column, j * BLOCK, BLOCK, axis=-2)
+        )
     )
-    left = jnp.where(columns < i * BLOCK, row, 0)
-    row = -_mm(
+    below = mm("...ib,...cb->...ic", column, diagonal_inverse)
+    below = jnp.where(index[:, None] >= (j + 1) * BLOCK, below, 0)
+    trailing = trailing - mm("...ib,...jb->...ij", below, below)
+    lower = jax.lax.dynamic_update_slice_in_dim(
+        lower, below, j * BLOCK, axis=-1
+    )
+    left = jax.lax.dynamic_slice_in_dim(lower, j * BLOCK, BLOCK, axis=-2)
+    left = jnp.where(index < j * BLOCK, left, 0)
+    row = -mm(
         "...ab,...bj->...aj",
-        diagonal,
-        _mm("...bc,...cj->...bj", left, inverse),
+        diagonal_inverse,
+        mm("...bc,...cj->...bj", left, inverse),
     )
-    row = jax.lax.dynamic_update_slice_in_dim(row, diagonal, i * BLOCK, axis=-1)
-    return jax.lax.dynamic_update_slice_in_dim(inverse, row, i * BLOCK, axis=-2)
+    row = jax.lax.dynamic_update_slice_in_dim(
+        row, diagonal_inverse, j * BLOCK, axis=-1
+    )
+    inverse = jax.lax.dynamic_update_slice_in_dim(
+        inverse, row, j * BLOCK, axis=-2
+    )
+    return trailing, lower, inverse
 
-  inverse = jax.lax.fori_loop(0, count, body, jnp.zeros_like(lower))
+  zeros = jnp.zeros_like(g)
+  _, _, inverse = jax.lax.fori_loop(0, count, body, (g, zeros, zeros))
   return inverse[..., :r, :r]

@@ -25,6 +25,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec
 
 from optax_muon._src.core.matrices import MatrixLayout
@@ -75,6 +76,8 @@ class DionMatrix:
     product_dtype: the operands' dtype of the four m × n × r products, or None
       (the state's dtype at full precision).
     power_iterations: subspace-iteration steps per optimizer step (Dion: 1).
+    orthonormal_precision: the precision of the orthonormalization's
+      products.
   """
 
   path: str
@@ -92,6 +95,7 @@ class DionMatrix:
   q_split: int | None = None
   product_dtype: Any = None
   power_iterations: int = 1
+  orthonormal_precision: Any = jax.lax.Precision.HIGHEST
 
   @classmethod
   def of(
@@ -103,6 +107,7 @@ class DionMatrix:
       replica_axes: tuple[str, ...] = (),
       product_dtype: Any = None,
       power_iterations: int = 1,
+      orthonormal_precision: Any = jax.lax.Precision.HIGHEST,
   ) -> DionMatrix:
     """The facts of ``layout``'s leaf at ``rank`` (see the attributes).
 
@@ -151,6 +156,7 @@ class DionMatrix:
         compressed=bool(replica_axes) and compresses(m, n, rank),
         product_dtype=product_dtype,
         power_iterations=power_iterations,
+        orthonormal_precision=orthonormal_precision,
     )
     return dataclasses.replace(matrix, q_split=matrix._q_split())
 

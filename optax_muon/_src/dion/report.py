@@ -158,7 +158,10 @@ class DionReport:
     base = settings.options.sharding.cost_model or profiles.default_cost_model(
         profiles.mesh_devices(spec.mesh)
     )
-    model = base.for_dtype(settings.product_dtype or np.float32)
+    products = [mx.product_dtype for mx in matrices.values()]
+    model = base.for_dtype(
+        next((d for d in products if d is not None), np.float32)
+    )
     rows, leaf_costs = [], []
     for i, leaf, row in leaf_rows(params, spec):
       fields = {}

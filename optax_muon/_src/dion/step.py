@@ -5,7 +5,7 @@ Per matrix (rows × cols in view order, see ``dion.matrix``), with r the rank::
 
   M = B + G                 (rows × cols, sharded like the param)
   P = M·Q                   (rows × r: sharded like the rows, summed over the
-                            column axes)
+                            column axes by the orthonormalization)
   P ← orthonormalize(P)     (``dion.orthonormalization``)
   R = Mᵀ·P                  (cols × r: summed over the row axes, scattered over
                             them where Q is split over them)
@@ -93,15 +93,10 @@ def _r_shard(matrix: DionMatrix, part: jax.Array) -> jax.Array:
 
 
 def _p(matrix: DionMatrix, m: jax.Array, r: jax.Array) -> jax.Array:
-  """P = M·R, summed over the column axes (and averaged over the replicas for
-  a compressed matrix)."""
+  """P = M·R's partial sums (over the column axes, and the replicas for a
+  compressed matrix: ``orthonormalization.sum_axes``)."""
   b, i, o = matrix.b, matrix.i, matrix.o
-  p = _product(matrix, f"{b}{i}{o},{b}{o}r->{b}{i}r", m, r)
-  if matrix.compressed:
-    return jax.lax.psum(p, matrix.col_axes + matrix.replica_axes) / (
-        matrix.replicas
-    )
-  return _psum(p, matrix.col_axes)
+  return _product(matrix, f"{b}{i}{o},{b}{o}r->{b}{i}r", m, r)
 
 
 def local_step(
@@ -159,8 +154,6 @@ def local_step(
       matrices, ms, ps, rs, shards, qs, momenta
   ):
     b_, i, o = matrix.b, matrix.i, matrix.o
-    outer = f"{b_}{i}r,{b_}{o}r->{b_}{i}{o}"
-    new_m = m - (1 - beta) * _product(matrix, outer, p, r)
     norms = jnp.sqrt(
         _psum(
             jnp.sum(shard * shard, axis=_q_col_dims(matrix), keepdims=True),
@@ -168,7 +161,14 @@ def local_step(
         )
     )
     safe = jnp.where(norms > 0, norms, 1)  # a zero column stays zero
-    direction = _product(matrix, outer, p, r / safe)
+    # P·Rᵀ and P·(R / norms)ᵀ as one product.
+    feedback, direction = _product(
+        matrix,
+        f"{b_}{i}r,z{b_}{o}r->z{b_}{i}{o}",
+        p,
+        jnp.stack([r, r / safe]),
+    )
+    new_m = m - (1 - beta) * feedback
     new_m = jnp.transpose(new_m, matrix.back).astype(b.dtype)
     directions.append(jnp.transpose(direction, matrix.back))
     new_momenta.append(new_m[None] if matrix.compressed else new_m)

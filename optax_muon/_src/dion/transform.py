@@ -194,7 +194,7 @@ def scale_by_dion(
     weight_dimension_numbers: Any = None,
     param_shardings: Any = None,
     seed: int = 0,
-    product_dtype: jax.typing.DTypeLike | None = None,
+    product_dtype: jax.typing.DTypeLike | str | None = "auto",
     power_iterations: int = 1,
     replica_axes: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -242,8 +242,11 @@ def scale_by_dion(
     seed: seeds Q's initial values (per leaf).
     product_dtype: the operands' dtype of the four m × n × r products (M·Q,
       Mᵀ·P, P·Rᵀ, P·Qᵀ), accumulated in the state's dtype: ``"bfloat16"`` runs
-      them at the device's bfloat16 rate. None (default): the state's dtype at
-      full precision. The orthonormalization always runs in the state's dtype.
+      them at the device's bfloat16 rate; None: the state's dtype at full
+      precision; ``"auto"`` (default): bfloat16 on TPUs and GPUs, None
+      elsewhere (as Muon's ``NSOptions.compute_dtype``). The orthonormalization
+      runs in the state's dtype: at full precision, or on TPUs with 16-bit
+      products at ``Precision.HIGH`` (three bfloat16 passes, about 1e-5).
     power_iterations: subspace-iteration steps per optimizer step (P =
       orth(M·R), R = Mᵀ·P, from R = Q), at least 1; Dion takes 1, more bring the
       update closer to the rank-r polar factor at twice the products and
