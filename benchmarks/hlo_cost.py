@@ -344,7 +344,11 @@ def analyze(compiled, device_count: int) -> HloCost:
         continue
       _, type_text, opcode, _ = inst.groups()
       base = opcode.removesuffix("-start")
-      if base in _COLLECTIVES and not opcode.endswith("-done"):
+      if opcode == "send" and "_xla_megascale_transfer_type" in line:
+        collectives.append(
+            _across_slices(line, type_text, device_count, times, in_loop[name])
+        )
+      elif base in _COLLECTIVES and not opcode.endswith("-done"):
         collectives.append(
             Collective(
                 base,
@@ -362,6 +366,41 @@ def analyze(compiled, device_count: int) -> HloCost:
       int(getattr(memory, "temp_size_in_bytes", 0)),
       conditionals,
   )
+
+
+_MEGASCALE_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}
+
+
+def _across_slices(
+    line: str, type_text: str, device_count: int, times: int, looped: bool
+) -> Collective:
+  """A collective across TPU slices (over the data-center network), which the
+  TPU compiler writes as a host-transfer ``send`` of the device's buffer to
+  the multi-slice runtime (``_xla_megascale_transfer_type``), to the devices of
+  the same position in every slice of ``_xla_megascale_target``
+  (``{slices}x{devices}``; devices numbered slice after slice)."""
+  kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line).group(1)
+  if kind not in _MEGASCALE_KINDS:
+    raise ValueError(f"an unknown transfer across slices: {kind}")
+  target = re.search(r'_xla_megascale_target="\{([\d,:]+)\}x', line).group(1)
+  slices = sum(
+      int(b) - int(a) + 1 if ":" in part else 1
+      for part in target.split(",")
+      for a, _, b in [part.partition(":")]
+  )
+  sent = _array_bytes(_ARRAY.search(type_text).group(0))
+  out = {"all-gather": sent * slices, "reduce-scatter": sent // slices}
+  per_slice = device_count // slices
+  groups = tuple(
+      tuple(k + j * per_slice for j in range(slices)) for k in range(per_slice)
+  )
+  kind = _MEGASCALE_KINDS[kind]
+  return Collective(kind, out.get(kind, sent), slices, times, looped, groups)
 
 
 def _computations(text: str) -> dict[str, list[str]]:

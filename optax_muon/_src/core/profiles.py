@@ -15,6 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 
+#: Platforms whose large matrix products run at bfloat16 by default (``"auto"``
+#: compute dtypes: Muon's Newton–Schulz, Dion's products).
+ACCELERATORS = ("tpu", "gpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:

@@ -13,7 +13,6 @@ from optax_muon._src.core import profiles, tree_utils
 from optax_muon._src.core.replicas import check_replica_mesh
 from optax_muon._src.core.spec import TreeOptions, TreeSpec
 from optax_muon._src.dion.matrix import DionMatrix, rank_of
-from optax_muon._src.muon.options import ACCELERATORS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +120,9 @@ def _resolved_dtype(product_dtype: Any, platform: str) -> Any:
   """``product_dtype`` for devices of ``platform`` (``"auto"``: bfloat16 on
   TPUs and GPUs, else None)."""
   if isinstance(product_dtype, str):
-    return jnp.dtype(jnp.bfloat16) if platform in ACCELERATORS else None
+    return (
+        jnp.dtype(jnp.bfloat16) if platform in profiles.ACCELERATORS else None
+    )
   return product_dtype
 
 

@@ -14,13 +14,9 @@ from optax_muon._src.core.options import (
     check_number,
     dtype_or_none,
 )
+from optax_muon._src.core import profiles
 from optax_muon._src.core.spec import TreeOptions
 from optax_muon._src.muon.costs import GRAM_RESTART, METHODS, matrix_flops
-
-#: Platforms where ``NSOptions(compute_dtype="auto")`` runs Newton–Schulz in
-#: bfloat16.
-ACCELERATORS = ("tpu", "gpu")
-
 
 MOMENTUM_KINDS = ("ema", "ema_uncorrected", "sum")
 
@@ -83,7 +79,10 @@ class NSOptions:
     if not isinstance(self.compute_dtype, str):
       return self
     return dataclasses.replace(
-        self, compute_dtype=jnp.bfloat16 if platform in ACCELERATORS else None
+        self,
+        compute_dtype=jnp.bfloat16
+        if platform in profiles.ACCELERATORS
+        else None,
     )
 
   def flops(self, m: int, n: int, dtype: Any, steps: int, team: int = 1) -> int:
