@@ -14,10 +14,10 @@ and output head; abstract shapes, nothing is compiled), per device and step:
   under the profile; Newton–Schulz at bfloat16), its busiest device's
   exchange and NS;
 - Dion on averaged gradients at rank fractions 1, 1/4, 1/16, 1/64: the sync,
-  then ``optax_muon._src.dion.costs`` per leaf (products at float32, as
-  ``dion`` runs them by default, and at the bfloat16 rate of
-  ``product_dtype="bfloat16"``), each kind of collective combined over the
-  leaves (``step_seconds``);
+  then ``optax_muon._src.dion.costs`` per leaf (products at float32,
+  ``product_dtype=None``, and at the bfloat16 rate, ``dion``'s default on TPUs
+  and GPUs), each kind of collective combined over the leaves
+  (``step_seconds``);
 - Dion with a compressed sync (``replica_axes``): no gradient sync for the
   matrices whose rank-r factors are smaller, only those factors' sums; the
   embedding and head's gradients averaged.
