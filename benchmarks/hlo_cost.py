@@ -381,26 +381,47 @@ def _across_slices(
 ) -> Collective:
   """A collective across TPU slices (over the data-center network), which the
   TPU compiler writes as a host-transfer ``send`` of the device's buffer to
-  the multi-slice runtime (``_xla_megascale_transfer_type``), to the devices of
-  the same position in every slice of ``_xla_megascale_target``
-  (``{slices}x{devices}``; devices numbered slice after slice)."""
-  kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line).group(1)
-  if kind not in _MEGASCALE_KINDS:
+  the multi-slice runtime: its kind in ``_xla_megascale_transfer_type`` (or
+  the rendezvous name), its devices in ``_xla_megascale_target``, either
+  ``"{slices}x{devices}"`` (the devices of each position in every slice) or
+  explicit groups ``{{id, …}, …}`` with id = slice·100000 + device (slices
+  from 1). Devices are numbered slice after slice."""
+  named = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+  if named:
+    kind = _MEGASCALE_KINDS[named.group(1)]
+  else:
+    rendezvous = re.search(r'_xla_host_transfer_rendezvous="([a-z\-_]+)', line)
+    kind = rendezvous.group(1).rstrip("._").replace("_", "-")
+  if kind not in _MEGASCALE_KINDS.values():
     raise ValueError(f"an unknown transfer across slices: {kind}")
-  target = re.search(r'_xla_megascale_target="\{([\d,:]+)\}x', line).group(1)
-  slices = sum(
-      int(b) - int(a) + 1 if ":" in part else 1
-      for part in target.split(",")
-      for a, _, b in [part.partition(":")]
-  )
+  product = re.search(r'_xla_megascale_target="\{([\d,:]+)\}x', line)
+  if product:
+    slices = sum(
+        int(b) - int(a) + 1 if ":" in part else 1
+        for part in product.group(1).split(",")
+        for a, _, b in [part.partition(":")]
+    )
+    per_slice = device_count // slices
+    groups = tuple(
+        tuple(k + j * per_slice for j in range(slices))
+        for k in range(per_slice)
+    )
+  else:
+    listed = re.search(r"_xla_megascale_target=\{(\{[\d,{}]*\})\}", line)
+    ids = [
+        [int(i) for i in g.split(",")]
+        for g in re.findall(r"\{([\d,]+)\}", listed.group(1))
+    ]
+    slices = len({i // 100000 for g in ids for i in g})
+    per_slice = device_count // slices
+    groups = tuple(
+        tuple((i // 100000 - 1) * per_slice + i % 100000 for i in g)
+        for g in ids
+    )
+  size = len(groups[0])
   sent = _array_bytes(_ARRAY.search(type_text).group(0))
-  out = {"all-gather": sent * slices, "reduce-scatter": sent // slices}
-  per_slice = device_count // slices
-  groups = tuple(
-      tuple(k + j * per_slice for j in range(slices)) for k in range(per_slice)
-  )
-  kind = _MEGASCALE_KINDS[kind]
-  return Collective(kind, out.get(kind, sent), slices, times, looped, groups)
+  out = {"all-gather": sent * size, "reduce-scatter": sent // size}
+  return Collective(kind, out.get(kind, sent), size, times, looped, groups)
 
 
 def _computations(text: str) -> dict[str, list[str]]:
