@@ -6,8 +6,9 @@ Shifted Cholesky-QR, three passes (Fukaya et al. 2020): each pass forms G =
 PᵀP, factorizes G + s·I = LLᵀ and replaces P by P·L⁻ᵀ. The first pass's shift
 (``FIRST_SHIFT``·tr G) lets the factorization succeed for any P, rank-deficient
 or ill conditioned, and brings P's condition number within reach of the two
-plain passes that follow (their shift, ``SHIFT``·tr G / r, only guards against
-rank deficiency). The result is P·T with T upper triangular and P·T
+plain passes that follow (their shift, ``SHIFT``·tr G per nonzero column of P,
+only guards against rank deficiency; zero columns factorize as an identity
+block). The result is P·T with T upper triangular and P·T
 orthonormal: P's Gram–Schmidt basis, whatever the shifts. The passes are one
 ``lax.fori_loop`` body, so the compiler sees each product and factorization
 once.
@@ -55,7 +56,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_muon._src.dion import factorizations
 from optax_muon._src.dion.matrix import DionMatrix
@@ -65,7 +65,8 @@ PASSES = 3
 #: The first pass factorizes G + FIRST_SHIFT·tr(G)·I: above the rounding
 #: errors of a float32 Gram matrix, so that the factorization succeeds.
 FIRST_SHIFT = 1e-4
-#: The other passes factorize G + SHIFT·(tr G / r)·I (an exactly zero G: I).
+#: The other passes factorize G + SHIFT·(tr G / k)·I, k the nonzero columns of
+#: P (its zero columns: an identity block).
 SHIFT = 1e-6
 #: Classes share a bucket where its products cost at most this many times
 #: theirs apart (one Cholesky-QR to compile instead of one per class).
@@ -251,15 +252,6 @@ class Bucket:
       same[(_whole_rows(c), c.rank, tuple(_row_exchanges(c)))].append(k)
     return [tuple(ks) for ks in same.values()]
 
-  def ranks(self) -> np.ndarray:
-    """(slots, g): the rank of the matrix in each slot of each device (the
-    bucket's rank for empty slots)."""
-    ranks = np.full(self.slots * self.size, self.rank)
-    for k, c in enumerate(self.classes):
-      start = self.start(k)
-      ranks[start : start + c.count] = c.rank
-    return ranks.reshape(self.slots, self.size)
-
 
 def _separate_flops(chosen: list[Class]) -> float:
   return sum(Bucket((c,)).flops() for c in chosen)
@@ -299,45 +291,41 @@ def _mm(subscripts: str, a: jax.Array, b: jax.Array, precision: Any):
 def gram_inverse(
     gram: jax.Array,
     first: jax.Array | bool,
-    rank: jax.Array | int,
     precision: Any = jax.lax.Precision.HIGHEST,
 ) -> jax.Array:
-  """L⁻ᵀ with LLᵀ = G + s·I (s by the pass: ``first`` or not), for Gram
-  matrices whose columns from ``rank`` on are zero padding (an identity block
-  there). (batch, r, r) → (batch, r, r); ``rank``: an int or (batch,)."""
-  side = gram.shape[-1]
-  rank = jnp.broadcast_to(jnp.asarray(rank, gram.dtype), gram.shape[:-2])
-  rank = rank[..., None, None]
-  trace = jnp.sum(jnp.diagonal(gram, axis1=-2, axis2=-1), axis=-1)[
-      ..., None, None
-  ]
-  trace = jnp.where(trace > 0, trace, rank)
-  shift = jnp.where(first, FIRST_SHIFT, SHIFT / rank) * trace
-  diagonal = jnp.where(jnp.arange(side) < rank, shift, 1.0)
+  """L⁻ᵀ with LLᵀ = G + s·I over P's nonzero columns (s by the pass: ``first``
+  or not; the later passes' s per nonzero column) and an identity block over
+  its zero columns (zero padding among them), which the factorization keeps
+  apart: each matrix comes out as it would without padding. (batch, r, r) →
+  (batch, r, r)."""
+  diagonal = jnp.diagonal(gram, axis1=-2, axis2=-1)
+  live = diagonal > 0
+  trace = jnp.sum(diagonal, axis=-1)[..., None]
+  columns = jnp.maximum(jnp.sum(live, axis=-1), 1)[..., None]
+  shift = jnp.where(first, FIRST_SHIFT * trace, SHIFT * trace / columns)
+  added = jnp.where(live, shift, 1.0)
   inverse = factorizations.inverse_cholesky(
-      gram + diagonal * jnp.eye(side, dtype=gram.dtype), precision
+      gram + added[..., None] * jnp.eye(gram.shape[-1], dtype=gram.dtype),
+      precision,
   )
   return jnp.swapaxes(inverse, -1, -2)
 
 
 def cholesky_qr(
     p: jax.Array,
-    rank: jax.Array | int | None = None,
     row_axes: tuple[str, ...] = (),
     precision: Any = jax.lax.Precision.HIGHEST,
 ) -> jax.Array:
   """Shifted Cholesky-QR of a stack (c, rows, r) of P's: each device's rows of
   them, their Gram matrices summed over ``row_axes`` (none: the rows are
-  whole); ``rank`` (an int or (c,)): columns from there on are zero padding.
-  Whole rows loop over the passes (one body to compile); summed ones take them
-  one after the other, so that no collective sits inside a loop."""
-  rank = p.shape[-1] if rank is None else rank
+  whole). Whole rows loop over the passes (one body to compile); summed ones
+  take them one after the other, so that no collective sits inside a loop."""
 
   def one_pass(k, p):
     gram = _mm("cmr,cms->crs", p, p, precision)
     if row_axes:
       gram = jax.lax.psum(gram, row_axes)
-    inverse = gram_inverse(gram, k == 0, rank, precision)
+    inverse = gram_inverse(gram, k == 0, precision)
     return _mm("cmr,crs->cms", p, inverse, precision)
 
   if not row_axes:
@@ -410,10 +398,6 @@ def _row_exchanges(c: Class) -> list[tuple[int, tuple[str, ...]]]:
   ]
 
 
-def _device(bucket: Bucket) -> jax.Array | int:
-  return jax.lax.axis_index(bucket.group) if bucket.size > 1 else 0
-
-
 def _run_exchanged(
     bucket: Bucket, partials: list[list[jax.Array]], precision: Any
 ) -> list[list[jax.Array]]:
@@ -430,8 +414,7 @@ def _run_exchanged(
     owned = owned + jnp.pad(
         placed.astype(owned.dtype), [(0, 0), (0, m - c.m), (0, rank - c.rank)]
     )
-  ranks = jnp.asarray(bucket.ranks())[:, _device(bucket)]
-  done = cholesky_qr(owned, ranks, precision=precision)
+  done = cholesky_qr(owned, precision=precision)
   out = [None] * len(bucket.classes)
   for ks in bucket.returns():
     c = bucket.classes[ks[0]]

@@ -161,11 +161,11 @@ def local_step(
         )
     )
     safe = jnp.where(norms > 0, norms, 1)  # a zero column stays zero
-    # P·Rᵀ and P·(R / norms)ᵀ as one product.
+    # P·Rᵀ and P·(R / norms)ᵀ as one (batched) product.
     feedback, direction = _product(
         matrix,
-        f"{b_}{i}r,z{b_}{o}r->z{b_}{i}{o}",
-        p,
+        f"z{b_}{i}r,z{b_}{o}r->z{b_}{i}{o}",
+        jnp.broadcast_to(p, (2,) + p.shape),
         jnp.stack([r, r / safe]),
     )
     new_m = m - (1 - beta) * feedback
