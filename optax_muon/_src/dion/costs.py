@@ -24,6 +24,7 @@ from optax_muon._src.dion.orthonormalization import (
     PASSES,
     Bucket,
     buckets,
+    local_count,
 )
 
 
@@ -116,10 +117,6 @@ def step_costs(
   return costs
 
 
-def _batch(matrix: DionMatrix) -> int:
-  return matrix.local_batch if matrix.mesh is not None else matrix.count
-
-
 def _orthonormalization(
     traffic: _Traffic,
     matrix: DionMatrix,
@@ -132,7 +129,7 @@ def _orthonormalization(
   bucket's class ``index``."""
   c = bucket.classes[index]
   size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
-  batch, r = _batch(matrix), matrix.rank
+  batch, r = local_count(matrix), matrix.rank
   replicas = matrix.replicas if matrix.compressed else 1
   sums = size(matrix.col_axes) * replicas
   g = c.size
@@ -165,7 +162,7 @@ def _leaf_cost(
   size = matrix.size if matrix.mesh is not None else (lambda axes: 1)
   g_r, g_c = size(matrix.row_axes), size(matrix.col_axes)
   replicas = matrix.replicas
-  batch = _batch(matrix)
+  batch = local_count(matrix)
   m, n, r = matrix.m, matrix.n, matrix.rank
   m_local, n_local = m / g_r, n / g_c
   split = matrix.q_split is not None

@@ -130,7 +130,8 @@ class Class:
     return self.first.rank
 
 
-def _local_count(matrix: DionMatrix) -> int:
+def local_count(matrix: DionMatrix) -> int:
+  """The leaf's matrices on one device."""
   return matrix.local_batch if matrix.mesh is not None else matrix.count
 
 
@@ -155,23 +156,13 @@ def classes(matrices: list[DionMatrix]) -> list[Class]:
   for members in grouped.values():
     chosen = tuple(matrices[k] for k in members)
     first = chosen[0]
-    count = sum(_local_count(mx) for mx in chosen)
+    count = sum(local_count(mx) for mx in chosen)
     split = first.mesh is not None and first.size(first.row_axes) > 1
     summing = first.mesh is not None and first.size(sum_axes(first)) > 1
     group = first.row_axes if split else sum_axes(first) if summing else ()
-    scattered = summing and not split
-    size = first.size(group) if group else 1
-    m = -(-first.m // size) * size if scattered else first.m
-    out.append(
-        Class(
-            tuple(members),
-            chosen,
-            count,
-            group,
-            scattered,
-            exchange_pays(m, first.rank, size, count),
-        )
-    )
+    c = Class(tuple(members), chosen, count, group, summing and not split, True)
+    exchanged = exchange_pays(c.m, c.rank, c.size, count)
+    out.append(dataclasses.replace(c, exchanged=exchanged))
   return out
 
 
@@ -345,7 +336,7 @@ def _stacked(c: Class, partials: list[jax.Array]) -> jax.Array:
   rows = tuple(first.local(d) for d in first.row_dims)
   stack = jnp.concatenate(
       [
-          p.reshape((_local_count(mx),) + rows + (c.rank,))
+          p.reshape((local_count(mx),) + rows + (c.rank,))
           for mx, p in zip(c.matrices, partials)
       ]
   )
@@ -369,7 +360,7 @@ def _unstacked(
     done = _all_gather_replicated(done, c.group, 1)[:, : c.first.m]
   out, start = [], 0
   for mx, p in zip(c.matrices, partials):
-    size = _local_count(mx)
+    size = local_count(mx)
     out.append(done[start : start + size].reshape(p.shape))
     start += size
   return out
