@@ -4,14 +4,17 @@ received bytes (those over the replica axes apart) and the modelled time (the
 
 Every product of ``dion.step`` runs on local blocks, so a device does 1/s of a
 leaf's products (s: the devices that split the leaf; replicas repeat them); the
-small factorizations are shared out over the row group. The collectives are
+orthonormalization is shared out over each class's group, by bucket (a leaf
+counts its share of its bucket's FLOPs and of its class's exchange). The
+collectives are
 those of ``dion.step`` and ``dion.orthonormalization``. Ring model, as
 ``benchmarks/hlo_cost.py`` counts the compiled program: over g devices, an
 all-reduce of B bytes receives 2·B·(g − 1)/g per device, an all-gather of B
 bytes in all B·(g − 1)/g, a reduce-scatter to B bytes B·(g − 1). Of a
 collective over replicas × other devices, the replica axes carry the share
 (replicas − 1)/(g − 1) of its bytes, what the collective moves across the
-replica axes when it runs over the other devices first.
+replica axes when it runs over the other devices first; of an all-to-all, the
+share of its peers on other replicas.
 """
 
 from __future__ import annotations
