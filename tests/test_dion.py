@@ -468,6 +468,7 @@ def _factor_elements(params, fraction, side):
   return total
 
 
+@pytest.mark.slow
 def test_buckets_deal_many_matrices_round_the_devices():
   """Stacked leaves of three shapes on FSDP 4: P's rows split (a), or whole
   and their sums reduce-scattered over the column axis (b, c); 18 matrices
