@@ -387,12 +387,9 @@ def _maxtext_shardings(record: dict, mesh) -> dict:
   return _tree(record, sharding)
 
 
-@pytest.mark.slow
-def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
-  """deepseek3-tiny sharded as MaxText shards it (its logical axis rules on its
-  twelve-axis mesh, Auto, fsdp 4 × tensor 2), with ``param_shardings``: the
-  update equals the single-device one (1e-5), with no warning, and every NS
-  FLOP each device runs is one the plan reports (nothing redundant)."""
+def _deepseek_tiny_as_maxtext_shards_it():
+  """(record, mesh, shardings): deepseek3-tiny on MaxText's twelve-axis mesh
+  (Auto, fsdp 4 × tensor 2), its leaves placed by MaxText's logical rules."""
   record = _record("maxtext_deepseek3_tiny")
   sizes = {"fsdp": 4, "tensor": 2}
   mesh = jax.make_mesh(
@@ -400,7 +397,29 @@ def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
       tuple(record["mesh_axes"]),
       axis_types=(AxisType.Auto,) * len(record["mesh_axes"]),
   )
-  shardings = _maxtext_shardings(record, mesh)
+  return record, mesh, _maxtext_shardings(record, mesh)
+
+
+def _far_leaves(updates, reference, tolerance=1e-5):
+  """(path, relative error) of each leaf of ``updates`` at least
+  ``tolerance`` from ``reference``'s."""
+  return [
+      (jax.tree_util.keystr(p), rel_err(x, y))
+      for (p, x), y in zip(
+          jax.tree_util.tree_leaves_with_path(updates),
+          jax.tree.leaves(reference),
+      )
+      if rel_err(x, y) >= tolerance
+  ]
+
+
+@pytest.mark.slow
+def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
+  """deepseek3-tiny sharded as MaxText shards it (its logical axis rules on its
+  twelve-axis mesh, Auto, fsdp 4 × tensor 2), with ``param_shardings``: the
+  update equals the single-device one (1e-5), with no warning, and every NS
+  FLOP each device runs is one the plan reports (nothing redundant)."""
+  record, mesh, shardings = _deepseek_tiny_as_maxtext_shards_it()
   params = _tree(record, lambda l: _values(l["shape"], 0))
   grads = _tree(record, lambda l: _values(l["shape"], 1))
   single = om.muon(0.02)
@@ -415,14 +434,7 @@ def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
         jax.jit(tx.update).lower(sharded_grads, state, sharded_params).compile()
     )
     updates = compiled(sharded_grads, state, sharded_params)[0]
-  far = [
-      (jax.tree_util.keystr(p), rel_err(x, y))
-      for (p, x), y in zip(
-          jax.tree_util.tree_leaves_with_path(updates),
-          jax.tree.leaves(reference),
-      )
-      if rel_err(x, y) >= 1e-5
-  ]
+  far = _far_leaves(updates, reference)
   assert not far, far
   plan = om.summarize(sharded_params, tx).plan
   assert len(plan.leaves) == record["maxtext_on_muon"]
@@ -439,14 +451,7 @@ def test_dion_on_maxtexts_own_shardings_equals_one_device():
   4 × tensor 2, Auto, ``param_shardings``): scanned layers, experts and 3-axis
   attention kernels, their P's dealt round the devices in shared buckets; two
   steps equal the single-device ones (1e-5), with no warning."""
-  record = _record("maxtext_deepseek3_tiny")
-  sizes = {"fsdp": 4, "tensor": 2}
-  mesh = jax.make_mesh(
-      tuple(sizes.get(a, 1) for a in record["mesh_axes"]),
-      tuple(record["mesh_axes"]),
-      axis_types=(AxisType.Auto,) * len(record["mesh_axes"]),
-  )
-  shardings = _maxtext_shardings(record, mesh)
+  record, mesh, shardings = _deepseek_tiny_as_maxtext_shards_it()
   params = _tree(record, lambda l: _values(l["shape"], 0))
   grads = [_tree(record, lambda l, s=s: _values(l["shape"], s)) for s in (1, 2)]
   single = om.dion(0.02, rank_fraction=0.25)
@@ -462,12 +467,5 @@ def test_dion_on_maxtexts_own_shardings_equals_one_device():
       updates, state = update(
           jax.device_put(g, shardings), state, sharded_params
       )
-  far = [
-      (jax.tree_util.keystr(p), rel_err(x, y))
-      for (p, x), y in zip(
-          jax.tree_util.tree_leaves_with_path(updates),
-          jax.tree.leaves(reference),
-      )
-      if rel_err(x, y) >= 1e-5
-  ]
+  far = _far_leaves(updates, reference)
   assert not far, far
