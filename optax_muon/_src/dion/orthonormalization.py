@@ -182,10 +182,6 @@ class Bucket:
     return self.classes[0].size
 
   @property
-  def group(self) -> tuple[str, ...]:
-    return self.classes[0].group
-
-  @property
   def exchanged(self) -> bool:
     return self.classes[0].exchanged
 
