@@ -233,6 +233,47 @@ class HloCost:
     return sum(c.in_loop for c in self.collectives)
 
 
+def _trip_count(line: str, computations: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's ``known_trip_count`` where the compiler
+  records it (CPU, GPU), else the bound of the condition's ``i < N`` (the TPU
+  compiler's loops, counters from 0)."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+  if known:
+    return int(known.group(1))
+  condition = re.search(r"\bcondition=%?([\w.\-]+)", line).group(1)
+  body = "\n".join(computations.get(condition, []))
+  bound = re.search(r"constant\((\d+)\)", body)
+  return int(bound.group(1)) if bound and "direction=LT" in body else 1
+
+
+def _multiplicity(text: str, computations: dict[str, list[str]]) -> dict:
+  """How many times each computation runs per call of the program: the product
+  of the trip counts of the loops around it."""
+  entry = next(
+      _COMPUTATION.match(l).group(1)
+      for l in text.splitlines()
+      if l.startswith("ENTRY")
+  )
+  times: dict[str, int] = defaultdict(int)
+
+  def visit(name: str, count: int) -> None:
+    times[name] += count
+    for line in computations.get(name, []):
+      inst = _INSTRUCTION.match(line)
+      if not inst:
+        continue
+      if inst.group(3) == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
+        visit(body, count * _trip_count(line, computations))
+        continue
+      for callee in _CALLEE.findall(line) + _branches(line):
+        if callee in computations:
+          visit(callee, count)
+
+  visit(entry, 1)
+  return times
+
+
 def analyze(compiled, device_count: int) -> HloCost:
   """Reads the figures off ``jax.jit(f).lower(...).compile()``.
 
@@ -257,17 +298,7 @@ def analyze(compiled, device_count: int) -> HloCost:
   in_loop: dict[str, bool] = defaultdict(bool)
   conditionals: list[Conditional] = []
 
-  def trip_count(line: str) -> int:
-    """A while loop's trip count: XLA's ``known_trip_count`` where the compiler
-    records it (CPU, GPU), else the bound of the condition's ``i < N`` (the TPU
-    compiler's loops, counters from 0)."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    if known:
-      return int(known.group(1))
-    condition = re.search(r"\bcondition=%?([\w.\-]+)", line).group(1)
-    body = "\n".join(computations.get(condition, []))
-    bound = re.search(r"constant\((\d+)\)", body)
-    return int(bound.group(1)) if bound and "direction=LT" in body else 1
+  trip_count = lambda line: _trip_count(line, computations)
 
   def visit(name: str, times: int, looped: bool, top: bool) -> None:
     multiplicity[name] += times
@@ -442,12 +473,15 @@ def _computations(text: str) -> dict[str, list[str]]:
 def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
   """(output bytes of the ``kind`` collectives with matrix products scheduled
   between their start and done, output bytes of all ``kind`` collectives), each
-  collective counted once (the exchange runs once per step, outside any loop).
+  collective weighted by the trip counts of the loops around it (an exchange in
+  stages runs as a loop).
 
   A synchronous collective (no start/done pair, as the TPU compiler emits them
   unless asynchronous collectives are enabled) overlaps nothing.
   """
-  computations = _computations(compiled.as_text())
+  text = compiled.as_text()
+  computations = _computations(text)
+  multiplicity = _multiplicity(text, computations)
   has_product: dict[str, bool] = {}
 
   def products(name: str) -> bool:
@@ -458,7 +492,8 @@ def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
     return has_product[name]
 
   overlapped = total = 0.0
-  for lines in computations.values():
+  for name, lines in computations.items():
+    times = multiplicity.get(name, 0)
     started: dict[str, tuple[int, float]] = {}
     for position, line in enumerate(lines):
       inst = _INSTRUCTION.match(line)
@@ -466,10 +501,10 @@ def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
         continue
       result, type_text, opcode, rest = inst.groups()
       if opcode == kind:
-        total += _array_bytes(type_text)
+        total += times * _array_bytes(type_text)
       elif opcode == f"{kind}-start":
         # The start's type is ((operands), result): count the result once.
-        size = _array_bytes(type_text) / 2
+        size = times * _array_bytes(type_text) / 2
         started[result] = (position, size)
         total += size
       elif opcode == f"{kind}-done":

@@ -41,12 +41,14 @@ PROHIBITIVE = om.CostModel(
 )  # one byte per second, a second per collective
 
 
-def _muon(model, dims=None, policy="split", **kw):
+def _muon(model, dims=None, policy="split", stages=None, **kw):
   return om.muon(
       0.1,
       muon_weight_dimension_numbers=dims,
       ns_options=STANDARD,
-      sharding=om.ShardingOptions(replica_policy=policy, cost_model=model),
+      sharding=om.ShardingOptions(
+          replica_policy=policy, cost_model=model, exchange_stages=stages
+      ),
       **kw,
   )
 
@@ -143,16 +145,17 @@ def test_groups_equal_single_device(case, axis_type, case_reference):
 
 
 @pytest.mark.slow
-def test_groups_in_a_shard_map_train_step():
+@pytest.mark.parametrize("stages", [None, 2])
+def test_groups_in_a_shard_map_train_step(stages):
   """Inside the user's shard_map (which checks replication): the same update as
-  pjit."""
+  pjit; also with the exchange in a loop of stages."""
   params, _ = case_tree(3)
   mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   specs = fsdp_specs(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   put = lambda tree: jax.tree.map(jax.device_put, tree, shardings)
   grads, sharded = put(random_like(params, 3)), put(params)
-  tx = _muon(FREE, param_shardings=specs)
+  tx = _muon(FREE, param_shardings=specs, stages=stages)
   with jax.set_mesh(mesh):
     assert _rounds(om.summarize(sharded, tx).plan)
     state = jax.jit(tx.init)(sharded)

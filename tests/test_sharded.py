@@ -235,16 +235,22 @@ def _shard_map_steps(tx, mesh, specs, shardings, params, grads):
   return updates, state
 
 
-def test_shard_map_train_step_matches_pjit(case_reference):
+@pytest.mark.parametrize("stages", [1, 3])
+def test_shard_map_train_step_matches_pjit(stages, case_reference):
   """The optimizer inside the user's shard_map: local blocks in, collectives by
-  axis name."""
+  axis name; in one stage, and in a loop of stages."""
   params, _ = case_tree(False)
   grads = case_grads(params)
   reference, _ = case_reference(False)
   mesh = make_mesh((8,), ("fsdp",), AxisType.Explicit)
   specs = fsdp_specs(params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  tx = standard_muon(param_shardings=shardings)
+  tx = om.muon(
+      0.1,
+      ns_options=STANDARD,
+      param_shardings=shardings,
+      sharding=om.ShardingOptions(exchange_stages=stages),
+  )
   updates, state = _shard_map_steps(tx, mesh, specs, shardings, params, grads)
   compare(updates, reference)
 

@@ -266,19 +266,21 @@ class TeamCost:
 def pipelined_seconds(
     ns: list[float], out: list[float], back: list[float]
 ) -> float:
-  """Modelled time of an exchange in stages: stage s + 1 moves out and stage s −
-  1 comes back while stage s is orthogonalized (one stage: out, NS, back in
-  turn).
+  """Modelled time of an exchange in stages, as the executor's loop runs it:
+  stage 0 moves out first; then iteration s orthogonalizes stage s while stage
+  s + 1 moves out and stage s − 1 comes back (the first iteration's way back and
+  the last one's way out move a stage's chunk that nothing needs); the last
+  stage comes back after the loop. One stage: out, NS, back in turn.
 
   Args:
     ns: per stage, the busiest worker's NS time.
     out: per stage, the all-to-all to the owners.
     back: per stage, the all-to-all back (and the replicas' all-gather).
   """
+  if len(ns) == 1:
+    return out[0] + ns[0] + back[0]
+  last = len(ns) - 1
   total = out[0] + back[-1]
   for s, compute in enumerate(ns):
-    moving = (back[s - 1] if s else 0.0) + (
-        out[s + 1] if s + 1 < len(ns) else 0.0
-    )
-    total += max(compute, moving)
+    total += max(compute, out[min(s + 1, last)] + back[max(s - 1, 0)])
   return total

@@ -21,6 +21,7 @@ import numpy as np
 
 from optax_muon._src.muon.newton_schulz import MeshTeam
 from optax_muon._src.muon.plan.model import (
+    PAD,
     Exchange,
     Group,
     LeafPlacement,
@@ -271,18 +272,19 @@ def buffer_units(
       )[::unit]
       parts += [
           np.where(
-              block < 0, zero, starts[run.bucket] + j * size + block // unit
+              (block < 0) | (j == PAD),
+              zero,
+              starts[run.bucket] + j * size + block // unit,
           )
           for j in run.matrices
       ]
-    parts += [
-        start
-        + (
-            np.asarray(mine, np.int64)[:, None] * (b.piece_size(g) // unit)
-            + np.arange(b.piece_size(g) // unit)
-        ).reshape(-1)
-        for mine, b, start in zip(owned, ex.buckets, starts)
-    ]
+    for mine, b, start in zip(owned, ex.buckets, starts):
+      mine = np.asarray(mine, np.int64)[:, None]
+      size = b.piece_size(g) // unit
+      parts.append(
+          np.where(mine == PAD, zero, start + mine * size + np.arange(size))
+          .reshape(-1)
+      )
     row = np.concatenate(parts)
     index[w, : row.size] = row
   return index.astype(np.int32), unit
@@ -362,41 +364,46 @@ def _switch(index, branches, operand):
   return jax.lax.switch(index, branches, operand)
 
 
-def _run_stage(
-    units: jax.Array, plan: Plan, ns: NSFunction, group: Group, ex: Exchange
-) -> tuple[jax.Array, np.ndarray, int]:
-  """Steps 2–6 of ``_run_exchange`` for one stage: this device's pieces out to
-  their owners, NS there, the results back. ``units``: the exchange's stacks in
-  the wire dtype as (units, unit) rows, then a unit of zeros.
+def _send(
+    units: jax.Array, index: jax.Array, group: Group
+) -> jax.Array:
+  """Steps 2–3: this device's pieces out to their owners.
+
+  Args:
+    units: the exchange's stacks in the wire dtype as (units, unit) rows, then
+      a unit of zeros.
+    index: (workers, chunk // unit): ``buffer_units`` of one stage.
+    group: the exchange's group.
 
   Returns:
-    (the results as (workers, chunk) rows, as the replicas' all-gather leaves
-    them; where each of their units belongs in the stacks (``buffer_units``);
-    the unit).
+    (g, chunk): row p holds peer p's pieces of this worker's matrices.
   """
-  g, workers, x_axes = group.exchange_size, group.workers, group.exchange_axes
-  replicas = workers // g
+  g = group.exchange_size
+  replicas = group.workers // g
   rep = _index(group.replica_axes) if group.split else 0
-  # (workers, chunk // unit); the stages of an exchange share its unit.
-  index, unit = buffer_units(ex, plan, g, units.shape[1])
   # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to
   # the busiest worker's; replicas hold the same data, so each sends its own
   # workers' only.
-  send = units[index.reshape(g, replicas, -1)].reshape(
-      g, replicas, -1
-  )  # (g, r, chunk)
-  buffer = jax.lax.dynamic_index_in_dim(
-      send, rep, axis=1, keepdims=False
-  )  # (g, chunk)
-  # 3. All-to-all over X: row p = peer p's pieces of this worker's matrices.
-  if g > 1:
-    buffer = _all_to_all(buffer, x_axes)
+  send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)
+  buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)
+  # 3. All-to-all over X.
+  return _all_to_all(buffer, group.exchange_axes) if g > 1 else buffer
+
+
+def _orthogonalize_received(
+    buffer: jax.Array, plan: Plan, ns: NSFunction, group: Group, ex: Exchange
+) -> jax.Array:
+  """Steps 4–5: NS of this worker's matrices (team blocks first, then whole
+  matrices), each distinct program one switch branch: (g, chunk) received
+  pieces → (g, chunk) pieces of the results."""
+  g, replicas = group.exchange_size, group.workers // group.exchange_size
+  rep = _index(group.replica_axes) if group.split else 0
+  worker = _index(group.exchange_axes) * replicas + rep
+  team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
+  reply = jnp.zeros_like(buffer)
   # 4. Matrices split over teams: each member's columns, NS with its team; each
   # distinct team program is one switch branch, taken by all of the team's
   # members.
-  worker = _index(x_axes) * replicas + rep
-  team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
-  reply = jnp.zeros_like(buffer)
   if team_width:
     team = _switch(
         jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
@@ -407,8 +414,7 @@ def _run_stage(
         buffer[:, :team_width],
     )
     reply = reply.at[:, :team_width].set(team)
-  # 5. Whole matrices, NS, pieces again: each distinct program is one switch
-  # branch. They follow the worker's team blocks.
+  # 5. Whole matrices, NS, pieces again. They follow the worker's team blocks.
   if whole_width:
     offset = (
         jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
@@ -432,16 +438,85 @@ def _run_stage(
       reply = reply[:, : buffer.shape[1]]
     else:
       reply = whole
-  buffer = reply
-  # 6. All-to-all back: row x = worker (x, rep)'s pieces of this device's
-  # matrices; the replicas' results are all-gathered.
-  if g > 1:
-    buffer = _all_to_all(buffer, x_axes)
+  return reply
+
+
+def _receive(reply: jax.Array, group: Group, unit: int) -> jax.Array:
+  """Step 6: the results back; row x = worker (x, rep)'s pieces of this
+  device's matrices, the replicas' all-gathered: as (rows, unit)."""
+  if group.exchange_size > 1:
+    reply = _all_to_all(reply, group.exchange_axes)
   if group.split:
-    buffer = jax.lax.all_gather(
-        buffer, group.replica_axes, axis=1
+    reply = jax.lax.all_gather(
+        reply, group.replica_axes, axis=1
     )  # (g, r, chunk)
-  return buffer.reshape(-1, unit), index, unit
+  return reply.reshape(-1, unit)
+
+
+def _run_stages(
+    units: jax.Array,
+    plan: Plan,
+    ns: NSFunction,
+    group: Group,
+    stages: tuple[Exchange, ...],
+) -> jax.Array:
+  """Steps 2–7 for every stage: out, NS, back, every piece to its place.
+
+  One stage runs in line. S stages (one program, ``plan.stages``) run as a
+  loop whose iteration s orthogonalizes stage s while stage s + 1 moves out and
+  stage s − 1 comes back: none depends on another, so a scheduler with
+  asynchronous collectives overlaps them, and the NS code is compiled once.
+  Each stage's results overwrite its own pieces in ``units``, which no later
+  stage reads.
+
+  Args:
+    units: the exchange's stacks in the wire dtype as (units, unit) rows, then
+      a unit of zeros.
+
+  Returns:
+    The orthogonalized stacks, as ``units`` without its unit of zeros.
+  """
+  g, unit = group.exchange_size, units.shape[1]
+  size = units.shape[0] - 1
+  tables = [buffer_units(ex, plan, g, unit)[0] for ex in stages]
+  if len(stages) == 1:
+    reply = _orthogonalize_received(
+        _send(units, tables[0], group), plan, ns, group, stages[0]
+    )
+    results = _receive(reply, group, unit)
+    # 7. The inverse of step 2's gathers.
+    index = tables[0].reshape(-1)
+    inverse = np.full(size, -1, np.int64)
+    valid = index < size
+    inverse[index[valid]] = np.flatnonzero(valid)
+    assert (inverse >= 0).all(), "every matrix is orthogonalized"
+    return results[inverse.astype(np.int32)]
+  count, program = len(stages), stages[0]
+  # Where each stage's results go; padding (and iteration 0's way back, which
+  # carries no stage) past the end, dropped.
+  dropped = np.full_like(tables[0], size + 1)
+  places = np.where(np.stack(tables) < size, np.stack(tables), size + 1)
+  covered = np.zeros(size + 2, np.int64)
+  np.add.at(covered, places.reshape(-1), 1)
+  assert (covered[:size] == 1).all(), "each piece in exactly one stage"
+  sources = jnp.asarray(np.stack(tables))
+  targets = jnp.asarray(np.concatenate([dropped[None], places]).reshape(count + 1, -1))
+
+  def place(units, s, results):
+    return units.at[targets[s]].set(results, mode="drop")
+
+  def iteration(s, carry):
+    received, previous, units = carry
+    reply = _orthogonalize_received(received, plan, ns, group, program)
+    upcoming = _send(units, sources[jnp.minimum(s + 1, count - 1)], group)
+    units = place(units, s, _receive(previous, group, unit))
+    return upcoming, reply, units
+
+  first = _send(units, sources[0], group)
+  _, last, units = jax.lax.fori_loop(
+      0, count, iteration, (first, jnp.zeros_like(first), units)
+  )
+  return place(units, count, _receive(last, group, unit))[:size]
 
 
 def _run_exchange(
@@ -476,10 +551,8 @@ def _run_exchange(
     )
     rows = [_take_rows(r[0], np.argsort(o)) for r, o in zip(results, order)]
   else:
-    # 2.–6. per stage; stage s + 1's all-to-all depends only on the stacks, so
-    # the scheduler may run it beside stage s's NS.
-    # The stacks in the wire dtype, cut into units, and a unit of zeros for
-    # padding.
+    # 2.–7. The stacks in the wire dtype, cut into units, and a unit of zeros
+    # for padding.
     wire = jnp.dtype(plan.wire_dtype or jnp.result_type(*stacks))
     unit = math.gcd(
         *(_exchange_unit(s, plan, group.exchange_size) for s in stages)
@@ -488,22 +561,7 @@ def _run_exchange(
         [s.astype(wire).reshape(-1) for s in stacks]
         + [jnp.zeros((unit,), wire)]
     ).reshape(-1, unit)
-    done = [_run_stage(units, plan, ns, group, stage) for stage in stages]
-    unit = done[0][2]
-    # 7. Every piece back to its place in the stacks: the inverse of step 2's
-    # gathers.
-    size = sum(s.size for s in stacks) // unit
-    inverse = np.full(size, -1, np.int64)
-    offset = 0
-    for buffer, index, _ in done:
-      valid = index < size
-      inverse[index[valid]] = offset + np.flatnonzero(valid)
-      offset += buffer.shape[0]
-    assert (inverse >= 0).all(), "every matrix is orthogonalized in some stage"
-    results = (
-        done[0][0] if len(done) == 1 else jnp.concatenate([d[0] for d in done])
-    )
-    pieces = results[inverse.astype(np.int32)].reshape(-1)
+    pieces = _run_stages(units, plan, ns, group, stages).reshape(-1)
     starts = np.cumsum([0] + [s.size for s in stacks])
     rows = [
         pieces[a:b].reshape(s.shape)

@@ -24,7 +24,7 @@ from optax_muon._src.core.reporting import (
 from optax_muon._src.core.routing import ADAM, MUON
 from optax_muon._src.muon import costs
 from optax_muon._src.muon.options import MuonOptions
-from optax_muon._src.muon.plan.model import Exchange, Plan, TeamRun
+from optax_muon._src.muon.plan.model import PAD, Exchange, Plan, TeamRun
 from optax_muon._src.muon.spec import MuonTreeSpec, muon_tree_spec
 
 
@@ -64,12 +64,18 @@ def _placement(plan: Plan, index: int, team_run) -> str:
     )
   counts = sorted(
       {
-          sum(len(ex.owned[w][k]) for ex in stages)
+          sum(j != PAD for ex in stages for j in ex.owned[w][k])
           for w in range(len(stages[0].owned))
       }
   )
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
-  staged = f", exchanged in {len(stages)} stages" if len(stages) > 1 else ""
+  staged = ""
+  if len(stages) > 1:
+    # Slots of the stages' one program that hold no matrix (zeros run NS).
+    padded = sum(ex.owned[w][k].count(PAD) for ex in stages for w in range(len(ex.owned)))
+    staged = f", exchanged in {len(stages)} stages" + (
+        f" ({plural(padded, 'padded slot', 'padded slots')})" if padded else ""
+    )
   return head + f"{spread} whole per worker of {group.workers}{staged}"
 
 

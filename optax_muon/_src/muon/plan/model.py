@@ -131,6 +131,11 @@ class LeafPlacement:
     return tuple(self.matrix_dims.index(d) for d in self.layout.output_axes)
 
 
+#: A slot of a staged program that holds no matrix: zeros travel and are
+#: orthogonalized to zeros (``plan.stages``).
+PAD = -1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Bucket:
   """Same-shape, same-dtype matrices of one group: one batched NS call per
@@ -241,7 +246,8 @@ class Exchange:
   Attributes:
     buckets: the buckets.
     owned: per worker, per bucket, the local matrices (indices into the bucket)
-      it orthogonalizes whole, in the order its program runs them.
+      it orthogonalizes whole, in the order its program runs them (``PAD``: a
+      staged program's empty slot).
     programs: the distinct programs of whole matrices.
     program_of: per worker, its index into ``programs``.
     team_size: k, the workers of each team (1: no teams).
@@ -514,10 +520,11 @@ class Plan:
       if group.workers == 1:
         continue
       worker = group.worker_of_devices(self.mesh_shape)
-      for ex in group.exchanges:
-        received += group.received_bytes(ex, self.wire_itemsize(ex), ragged)[
-            worker
-        ]
+      for stages in group.stages():
+        for ex in _moved(stages):
+          received += group.received_bytes(ex, self.wire_itemsize(ex), ragged)[
+              worker
+          ]
     return received
 
   def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
@@ -584,12 +591,14 @@ class Plan:
 
   def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
     """Per ``lax.switch`` (an exchange with several programs of whole matrices,
-    or with several team programs): each branch's NS FLOPs, and the branch every
-    device takes (an array of the mesh's shape)."""
+    or with several team programs): each branch's NS FLOPs (per stage, for an
+    exchange in stages: the loop runs the switch once per stage), and the
+    branch every device takes (an array of the mesh's shape)."""
     out = []
     for group in self.groups:
       worker = group.worker_of_devices(self.mesh_shape)
-      for ex in group.exchanges:
+      # The stages of an exchange run one program in a loop: one switch.
+      for ex in (stages[0] for stages in group.stages()):
         if len(ex.programs) > 1:
           out.append((ex.program_flops(), np.asarray(ex.program_of)[worker]))
         if len(ex.team_programs) > 1:
@@ -600,3 +609,10 @@ class Plan:
               )
           )
     return out
+
+
+def _moved(stages: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
+  """The exchanges whose chunks move: the stages, and for S > 1 one more (the
+  loop moves a stage each way on every iteration; the first iteration's way
+  back and the last one's way out carry nothing the step needs)."""
+  return stages + stages[:1] if len(stages) > 1 else stages

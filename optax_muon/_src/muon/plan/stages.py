@@ -3,125 +3,102 @@ Newton–Schulz.
 
 With one all-to-all each way, nothing can run beside them: every owner waits for
 all of its matrices, and every device waits for all of its results. Split into S
-stages (each worker's matrices in program order, cut into S runs of about equal
-FLOPs), the all-to-alls of stage s + 1 (out) and s − 1 (back) have no data
+stages, the all-to-alls of stage s + 1 (out) and s − 1 (back) have no data
 dependence on stage s's NS, so a scheduler with asynchronous collectives runs
-them beside it. Each stage is an ``Exchange`` of the same buckets; the executor
-takes consecutive ones as one exchange (``Group.stages``).
+them beside it.
+
+The stages run as one loop (``executor``), so the NS code is compiled once
+whatever S: every stage runs the same program. Each worker's run of k matrices
+of one kind (and each team's) is cut into S slices of ⌈k/S⌉ in program order,
+the last ones padded with ``PAD`` slots (zeros in, zeros out: their FLOPs and
+bytes are counted like a matrix's). Each stage is an ``Exchange`` of the same
+buckets and programs; the executor takes consecutive ones as one exchange
+(``Group.stages``).
 
 S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
-within 2% of the shortest modelled time (each stage compiles its own NS code), 1
-where the model cannot overlap collectives (``CostModel. overlap``; XLA:CPU) or
-where a stage's collective latency costs more than it hides. An exchange with
-teams is cut the same way, each team's matrices in its runs' order.
+within 2% of the shortest modelled time, 1 where the model cannot overlap
+collectives (``CostModel.overlap``; XLA:CPU) or where the padding, the loop's
+extra transfers or a stage's collective latency cost more than overlap hides.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from optax_muon._src.core.profiles import CostModel
-from optax_muon._src.muon.plan.exchanges import make_exchange
-from optax_muon._src.muon.plan.model import Exchange, Group, Plan, TeamRun
-from optax_muon._src.muon.plan.owners import Ownership
+from optax_muon._src.muon.plan.model import PAD, Exchange, Group, Plan, Run
 
 #: The most stages an exchange is split into.
 MAX_STAGES = 8
 #: A split must shorten the modelled time by this share of it.
 MIN_GAIN = 0.01
-#: The fewest stages whose modelled time is within this share of the shortest:
-#: each stage compiles its own NS code (on the 7B-like tree, compile time grows
-#: about linearly with the stage count), for gains that shrink as 1/S.
+#: The fewest stages whose modelled time is within this share of the shortest
+#: (fewer stages: fewer loop iterations, less padding to go wrong on).
 NEAR_BEST = 0.02
 
 
-def _cut(flops: list[int], stages: int) -> list[int]:
-  """Per item, its stage: consecutive items, each stage about 1/``stages`` of
-  the FLOPs (an item goes to the stage its FLOP midpoint falls in)."""
-  total = sum(flops) or 1
-  before = np.cumsum([0] + flops[:-1])
-  middle = (before + np.asarray(flops) / 2) / total
-  return [min(stages - 1, int(m * stages)) for m in middle]
+def _slice(items: tuple[int, ...], stages: int, stage: int) -> tuple[int, ...]:
+  """Stage ``stage``'s slice of ``items`` cut into ``stages`` slices of
+  ⌈len/stages⌉, padded with ``PAD``."""
+  size = -(-len(items) // stages)
+  part = items[stage * size : (stage + 1) * size]
+  return tuple(part) + (PAD,) * (size - len(part))
 
 
-def split_exchange(
-    ex: Exchange, plan: Plan, workers: int, stages: int
-) -> tuple[Exchange, ...]:
-  """``ex`` as ``stages`` exchanges of the same buckets: each worker's whole
-  matrices, and each team's matrices, cut in program order into runs of about
-  equal FLOPs (stages a worker or team has no matrix for are empty for it).
-  Beside a team, a worker's whole matrices fill its least loaded stages.
+def _stage_program(program, stages: int):
+  """A whole-matrix program with each run's count cut to ⌈count/stages⌉."""
+  return tuple(
+      tuple(Run(leaf, -(-count // stages)) for leaf, count in runs)
+      for runs in program
+  )
+
+
+def split_exchange(ex: Exchange, stages: int) -> tuple[Exchange, ...]:
+  """``ex`` as ``stages`` exchanges of the same buckets and the same programs:
+  each run of each worker's program (and of each team's) cut in program order
+  into ``stages`` slices of equal length, padded with ``PAD``.
 
   Args:
-    ex: an exchange.
-    plan: its plan.
-    workers: its group's workers.
+    ex: an exchange in one stage.
     stages: how many stages.
 
   Returns:
     The stages, each an ``Exchange`` whose ``owned`` (and ``teams``) hold that
     stage's matrices.
   """
-  # Per stage, per team, its runs restricted to the stage's matrices; and per
-  # team, its members' FLOPs in each stage.
-  teams = [[[] for _ in ex.teams] for _ in range(stages)]
-  team_load = np.zeros((len(ex.teams), stages))
-  for t, runs in enumerate(ex.teams):
-    items = [(q, j) for q, r in enumerate(runs) for j in r.matrices]
-    picked = [[[] for _ in runs] for _ in range(stages)]
-    for (q, j), c in zip(
-        items, _cut([runs[q].cost.flops for q, _ in items], stages)
-    ):
-      picked[c][q].append(j)
-      team_load[t, c] += runs[q].cost.flops
-    for s in range(stages):
-      teams[s][t] = [
-          dataclasses.replace(r, matrices=tuple(js))
-          for r, js in zip(runs, picked[s])
-          if js
-      ]
-  offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
-  owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
-  for w, owned in enumerate(ex.owned):
-    items = [(k, j) for k, mine in enumerate(owned) for j in mine]
-    flops = [ex.buckets[k].flops for k, _ in items]
-    if ex.teams:
-      # Around the worker's team share: each matrix to its least loaded stage.
-      load = team_load[w // ex.team_size].copy()
-      cut = []
-      for f in flops:
-        cut.append(int(np.argmin(load)))
-        load[cut[-1]] += f
-    else:
-      cut = _cut(flops, stages)
-    for (k, j), s in zip(items, cut):
-      owners[s][offsets[k] + j] = w
   out = []
-  for s, owner in enumerate(owners):
-    stage = make_exchange(
-        ex.buckets, Ownership(owner, []), list(plan.leaves), workers
+  for s in range(stages):
+    owned = []
+    for w, mine in enumerate(ex.owned):
+      program = ex.programs[ex.program_of[w]]
+      per_bucket = []
+      for runs, matrices in zip(program, mine):
+        cut, start = (), 0
+        for _, count in runs:
+          cut += _slice(matrices[start : start + count], stages, s)
+          start += count
+        per_bucket.append(cut)
+      owned.append(tuple(per_bucket))
+    teams = tuple(
+        tuple(
+            dataclasses.replace(r, matrices=_slice(r.matrices, stages, s))
+            for r in runs
+        )
+        for runs in ex.teams
     )
-    if ex.teams:
-      stage = _with_teams(stage, ex.team_size, teams[s])
-    out.append(stage)
+    out.append(
+        dataclasses.replace(
+            ex,
+            owned=tuple(owned),
+            programs=tuple(_stage_program(p, stages) for p in ex.programs),
+            teams=teams,
+            team_programs=tuple(
+                tuple(k._replace(count=-(-k.count // stages)) for k in p)
+                for p in ex.team_programs
+            ),
+        )
+    )
   return tuple(out)
-
-
-def _with_teams(
-    ex: Exchange, team_size: int, teams: list[list[TeamRun]]
-) -> Exchange:
-  """``ex`` with these teams' runs (and their distinct programs)."""
-  keys = [tuple(r.key for r in runs) for runs in teams]
-  programs = list(dict.fromkeys(keys))
-  return dataclasses.replace(
-      ex,
-      team_size=team_size,
-      teams=tuple(tuple(runs) for runs in teams),
-      team_programs=tuple(programs),
-      team_program_of=tuple(programs.index(k) for k in keys),
-  )
 
 
 def _staged_seconds(
@@ -174,11 +151,11 @@ def choose_stages(
         exchanges.append(ex)
         continue
       if stages is not None:
-        exchanges += split_exchange(ex, plan, group.workers, min(stages, most))
+        exchanges += split_exchange(ex, min(stages, most))
         continue
       options = {1: (ex,)}
       for s in range(2, min(MAX_STAGES, most) + 1):
-        options[s] = split_exchange(ex, plan, group.workers, s)
+        options[s] = split_exchange(ex, s)
       seconds = {
           s: _staged_seconds(plan, group, x, model) for s, x in options.items()
       }
