@@ -17,7 +17,6 @@ from optax_muon._src.muon import costs
 from optax_muon._src.muon.options import MuonOptions, NSOptions
 from optax_muon._src.muon.plan.build import build_plan
 from optax_muon._src.muon.plan.model import Plan
-from optax_muon._src.muon.plan.stages import choose_stages
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +46,7 @@ class MuonTreeSpec(TreeSpec):
     sharding = dataclasses.replace(
         self.options.sharding, cost_model=self.cost_model
     )
-    plan = build_plan(
+    return build_plan(
         [l.layout for l in muon],
         [l.sharding for l in muon],
         cost,
@@ -55,7 +54,6 @@ class MuonTreeSpec(TreeSpec):
         stack=self.options.ns.stack_same_shape,
         team_cost=team_cost,
     )
-    return choose_stages(plan, self.cost_model, sharding.exchange_stages)
 
   @functools.cached_property
   def ns(self) -> NSOptions:

@@ -1,5 +1,5 @@
 """``build_plan``: the plan of a tree's Muon leaves, from grouping to the team
-search."""
+search and the exchange stages."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from optax_muon._src.muon.plan.grouping import (
 from optax_muon._src.muon.plan.model import Group, LeafPlacement, Plan
 from optax_muon._src.muon.plan.owners import ownership, place_matrices
 from optax_muon._src.muon.plan.redeal import fewer_programs
+from optax_muon._src.muon.plan.stages import choose_stages
 from optax_muon._src.muon.plan.teams import TeamSplit, choose_teams
 from optax_muon._src.core.sharding import LeafSharding
 
@@ -37,9 +38,12 @@ def _plan_with(
     options: ShardingOptions,
     weigh_bytes: bool,
     model: CostModel | None,
+    bundle: int = 1,
 ) -> Plan:
   """The plan of ``exchanges`` whose kinds ``splits`` gives (per exchange index)
-  teams orthogonalize, owners chosen for everything else."""
+  teams orthogonalize, owners chosen for everything else (in bundles of
+  ``bundle`` matrices of a kind: ``owners.place_matrices``; the programs are
+  re-dealt only without)."""
   spread = options.exchange == "per_shape"
   matrices, loads = place_matrices(
       groups,
@@ -47,11 +51,12 @@ def _plan_with(
       mesh_shape,
       spread,
       weigh_bytes,
+      placements,
       splits,
       model,
-      placements,
+      bundle,
   )
-  if weigh_bytes and not spread:
+  if weigh_bytes and not spread and bundle == 1:
     for m in matrices:
       if not m.team_items:
         fewer_programs(m, loads)
@@ -132,6 +137,12 @@ def build_plan(
   whole = plan_with(exchanges, {})
   if model is None:
     return whole
-  return choose_teams(
+  plan, layout = choose_teams(
       whole, plan_with, groups, exchanges, placements, team_cost, model
+  )
+  return choose_stages(
+      plan,
+      model,
+      options.exchange_stages,
+      lambda bundle: plan_with(*layout, bundle=bundle),
   )

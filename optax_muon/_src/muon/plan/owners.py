@@ -59,6 +59,7 @@ class _Item(NamedTuple):
   exchange: int
   team: bool
   index: int  # into the exchange's whole matrices, or its team items
+  count: int = 1  # a bundle: this and the next count − 1 go to one owner
 
 
 class Ownership(NamedTuple):
@@ -121,9 +122,11 @@ def _collect(
     spread: bool,
     split: TeamSplit | None,
     model: CostModel | None,
-    placements: list[LeafPlacement] | None,
+    placements: list[LeafPlacement],
+    bundle: int,
 ) -> tuple[ExchangeMatrices, list[_Item]]:
-  """Exchange ``e``'s matrices, and the items that place them."""
+  """Exchange ``e``'s matrices, and the items that place them (bundles of
+  ``bundle`` matrices of one kind)."""
   workers = group.workers
   m = ExchangeMatrices(
       worker,
@@ -139,69 +142,98 @@ def _collect(
   m.teams = [[] for _ in range(workers // m.team_size)] if split else []
   items = []
   for b, bucket in enumerate(buckets):
-    signature = (
-        [
-            placements[i].signature
-            for i in bucket.members
-            for _ in range(placements[i].local_batch)
-        ]
-        if split
-        else []
-    )
-    mine = []
-    for j in range(bucket.matrices):
-      if split and Kind(b, signature[j]) in split.kinds:
-        cost = split.effective_flops(Kind(b, signature[j]), model)
-        items.append(_Item(-cost, 0, e, True, len(m.team_items)))
-        m.team_items.append(TeamItem(b, j, cost))
-      else:
-        mine.append(j)
-    m.costs += [bucket.flops] * len(mine)
-    m.elements += [bucket.shape[0] * bucket.shape[1]] * len(mine)
-    m.bucket_of += [b] * len(mine)
-    m.caps.append(-(-len(mine) // workers) if spread else math.inf)
-    m.index += [MatrixRef(b, j) for j in mine]
+    signature = [
+        placements[i].signature
+        for i in bucket.members
+        for _ in range(placements[i].local_batch)
+    ]
+    size = bucket.shape[0] * bucket.shape[1]
+    for chunk in _bundles(signature, bundle):
+      kind = Kind(b, signature[chunk[0]])
+      team = split is not None and kind in split.kinds
+      cost = split.effective_flops(kind, model) if team else bucket.flops
+      if team:
+        items.append(
+            _Item(-cost * len(chunk), 0, e, True, len(m.team_items), len(chunk))
+        )
+        m.team_items += [TeamItem(b, j, cost) for j in chunk]
+        continue
+      items.append(
+          _Item(
+              -cost * len(chunk),
+              -size * len(chunk),
+              e,
+              False,
+              len(m.costs),
+              len(chunk),
+          )
+      )
+      m.costs += [cost] * len(chunk)
+      m.elements += [size] * len(chunk)
+      m.bucket_of += [b] * len(chunk)
+      m.index += [MatrixRef(b, j) for j in chunk]
+    whole = m.bucket_of.count(b)
+    m.caps.append(-(-whole // workers) if spread else math.inf)
   m.owner = [0] * len(m.costs)
-  items += [
-      _Item(-c, -size, e, False, j)
-      for j, (c, size) in enumerate(zip(m.costs, m.elements))
-  ]
   return m, items
 
 
-def _place_on_team(m: ExchangeMatrices, j: int, loads: np.ndarray) -> None:
-  """Gives team item ``j`` to the team whose busiest device is least loaded."""
+def _bundles(signature: list[tuple], bundle: int) -> list[list[int]]:
+  """A bucket's local matrices in bundles: ``bundle`` consecutive matrices of
+  one kind (their signature), the last of each kind shorter; one each, in index
+  order, for ``bundle`` 1."""
+  if bundle == 1:
+    return [[j] for j in range(len(signature))]
+  kinds: dict[tuple, list[int]] = {}
+  for j, sig in enumerate(signature):
+    kinds.setdefault(sig, []).append(j)
+  return [
+      js[start : start + bundle]
+      for js in kinds.values()
+      for start in range(0, len(js), bundle)
+  ]
+
+
+def _place_on_team(
+    m: ExchangeMatrices, j: int, count: int, loads: np.ndarray
+) -> None:
+  """Gives team items ``j`` … ``j + count − 1`` to the team whose busiest device
+  is least loaded."""
   team_of_device = m.worker // m.team_size
   busiest = np.full(len(m.teams), -np.inf)
   np.maximum.at(busiest, team_of_device, loads)
-  item = m.team_items[j]
   t = int(np.argmin(busiest))
-  m.teams[t].append(MatrixRef(item.bucket, item.matrix))
-  loads[team_of_device == t] += item.cost
+  for item in m.team_items[j : j + count]:
+    m.teams[t].append(MatrixRef(item.bucket, item.matrix))
+    loads[team_of_device == t] += item.cost
 
 
 def _place_whole(
     m: ExchangeMatrices,
     j: int,
+    count: int,
     loads: np.ndarray,
     fair_flops: float,
     weigh_bytes: bool,
 ) -> None:
-  """Gives whole matrix ``j`` to the worker with the least score afterwards."""
+  """Gives whole matrices ``j`` … ``j + count − 1`` (one bucket) to the worker
+  with the least score afterwards."""
   workers = len(m.owned_elements)
   busiest = np.full(workers, -np.inf)
   np.maximum.at(busiest, m.worker, loads)
-  new_load = busiest + m.costs[j]
-  new_elements = m.owned_elements + m.elements[j]
+  cost, elements = sum(m.costs[j : j + count]), sum(m.elements[j : j + count])
+  new_load = busiest + cost
+  new_elements = m.owned_elements + elements
   score = new_load / fair_flops
   if weigh_bytes:
     score = np.maximum(score, new_elements / m.fair_elements)
-  score[m.counts[:, m.bucket_of[j]] >= m.caps[m.bucket_of[j]]] = np.inf
+  bucket = m.bucket_of[j]
+  score[m.counts[:, bucket] + count > max(m.caps[bucket], count)] = np.inf
   w = int(np.lexsort((np.arange(workers), new_elements, new_load, score))[0])
-  m.owner[j] = w
-  m.owned_elements[w] += m.elements[j]
-  m.counts[w, m.bucket_of[j]] += 1
-  loads[m.worker == w] += m.costs[j]
+  m.owner[j : j + count] = [w] * count
+  m.owned_elements[w] += elements
+  m.counts[w, bucket] += count
+  loads[m.worker == w] += cost
 
 
 def ownership(m: ExchangeMatrices, buckets: tuple[Bucket, ...]) -> Ownership:
@@ -219,9 +251,10 @@ def place_matrices(
     mesh_shape: MeshShape,
     spread: bool,
     weigh_bytes: bool,
+    placements: list[LeafPlacement],
     splits: dict[int, TeamSplit] | None = None,
     model: CostModel | None = None,
-    placements: list[LeafPlacement] | None = None,
+    bundle: int = 1,
 ) -> tuple[list[ExchangeMatrices], np.ndarray]:
   """Owners of every local matrix of every exchange (see the module docstring).
 
@@ -231,9 +264,12 @@ def place_matrices(
     mesh_shape: the mesh.
     spread: cap each bucket at ⌈K / workers⌉ matrices per worker.
     weigh_bytes: weigh the owned elements as well as the FLOPs.
+    placements: the leaves.
     splits: per exchange (index into ``exchanges``), its ``TeamSplit``.
     model: the cost model (with ``splits``).
-    placements: the leaves (with ``splits``).
+    bundle: place the matrices of each kind in bundles of this many, each to
+      one owner (or team), so that every owner's matrices of a kind (but one
+      bundle's) cut into ``bundle`` equal stages (``plan.stages``).
 
   Returns:
     Per exchange, its matrices with their owners; and every device's load (NS
@@ -253,6 +289,7 @@ def place_matrices(
         splits.get(e),
         model,
         placements,
+        bundle,
     )
     matrices.append(m)
     items += found
@@ -267,9 +304,14 @@ def place_matrices(
   )
   for item in sorted(items):
     if item.team:
-      _place_on_team(matrices[item.exchange], item.index, loads)
+      _place_on_team(matrices[item.exchange], item.index, item.count, loads)
     else:
       _place_whole(
-          matrices[item.exchange], item.index, loads, fair_flops, weigh_bytes
+          matrices[item.exchange],
+          item.index,
+          item.count,
+          loads,
+          fair_flops,
+          weigh_bytes,
       )
   return matrices, loads

@@ -24,6 +24,7 @@ extra transfers or a stage's collective latency cost more than overlap hides.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from optax_muon._src.core.profiles import CostModel
 from optax_muon._src.muon.plan.model import PAD, Exchange, Group, Plan, Run
@@ -101,85 +102,102 @@ def split_exchange(ex: Exchange, stages: int) -> tuple[Exchange, ...]:
   return tuple(out)
 
 
-def _staged_seconds(
-    plan: Plan, group: Group, stages: tuple[Exchange, ...], model: CostModel
-) -> float:
-  part = dataclasses.replace(
-      plan, groups=(dataclasses.replace(group, exchanges=stages),)
+def _most(ex: Exchange) -> int:
+  """The most matrices (whole, and team shares) one worker of ``ex`` runs."""
+  return max(
+      sum(map(len, owned)) + team
+      for owned, team in zip(ex.owned, ex.per_worker(lambda r: len(r.matrices)))
   )
-  return part.critical_seconds(model)
+
+
+def _splittable(group: Group, ex: Exchange) -> bool:
+  """Whether stages can overlap anything: an all-to-all, and a worker with two
+  matrices."""
+  return group.workers > 1 and group.exchange_size > 1 and _most(ex) >= 2
+
+
+def _in_stages(plan: Plan, stages: int) -> Plan:
+  """``plan`` with every exchange that can be split cut into ``stages`` (at
+  most its busiest worker's matrix count)."""
+  groups = []
+  for group in plan.groups:
+    exchanges = []
+    for ex in group.exchanges:
+      if _splittable(group, ex):
+        exchanges += split_exchange(ex, min(stages, _most(ex)))
+      else:
+        exchanges.append(ex)
+    groups.append(dataclasses.replace(group, exchanges=tuple(exchanges)))
+  return dataclasses.replace(plan, groups=tuple(groups))
 
 
 def choose_stages(
-    plan: Plan, model: CostModel, stages: int | None = None
+    plan: Plan,
+    model: CostModel,
+    stages: int | None,
+    replan: Callable[[int], Plan],
 ) -> Plan:
-  """``plan`` with each exchange split into the stages that the model says
-  pipeline best.
+  """``plan``, or the plan whose exchanges the model says pipeline best in
+  stages.
+
+  For S stages the owners are chosen again in bundles of S matrices of a kind
+  (``replan(S)``), so that each worker's matrices cut into S equal stages with
+  little padding.
 
   Args:
-    plan: a plan, one stage per exchange.
+    plan: the plan in one stage.
     model: the cost model.
     stages: force this many stages on every exchange that can be split (an
       exchange keeps at most as many as its busiest worker has matrices); None:
       chosen by ``model``.
+    replan: the plan with owners placed in bundles of a given size.
 
   Returns:
-    The plan with staged exchanges (itself where nothing is split).
+    The plan with staged exchanges (``plan`` where nothing is split), its
+    ``stage_notes`` saying why exchanges that could overlap keep one stage.
   """
-  groups, notes = [], []
-  for group in plan.groups:
-    exchanges = []
-    for ex in group.exchanges:
-      what = _exchange_words(ex)
-      most = max(
-          sum(map(len, owned)) + team
-          for owned, team in zip(
-              ex.owned, ex.per_worker(lambda r: len(r.matrices))
-          )
-      )
-      if (
-          group.workers == 1
-          or group.exchange_size == 1
-          or most < 2
-          or (stages is None and not model.overlap)
-      ):
-        if most < 2 and model.overlap and group.exchange_size > 1:
-          notes.append(
-              f"{what} in one stage: no worker orthogonalizes two of its"
-              " matrices, so none can move while another is orthogonalized."
-          )
-        exchanges.append(ex)
-        continue
-      if stages is not None:
-        exchanges += split_exchange(ex, min(stages, most))
-        continue
-      options = {1: (ex,)}
-      for s in range(2, min(MAX_STAGES, most) + 1):
-        options[s] = split_exchange(ex, s)
-      seconds = {
-          s: _staged_seconds(plan, group, x, model) for s, x in options.items()
-      }
-      best = min(seconds.values())
-      chosen = min(
-          s
-          for s, t in seconds.items()
-          if t <= best * (1 + NEAR_BEST)
-          and (s == 1 or t < seconds[1] * (1 - MIN_GAIN))
-      )
-      if chosen == 1:
-        alternative = min((t, s) for s, t in seconds.items() if s > 1)
-        notes.append(
-            f"{what} in one stage: the cost model's pipelined time is no"
-            f" shorter in stages ({alternative[1]} stages"
-            f" {alternative[0] * 1e3:.3g} ms against {seconds[1] * 1e3:.3g} ms"
-            " in one: each stage's all-to-all carries its busiest worker's"
-            " chunk and pays the collective latency)."
-        )
-      exchanges += options[chosen]
-    groups.append(dataclasses.replace(group, exchanges=tuple(exchanges)))
-  return dataclasses.replace(
-      plan, groups=tuple(groups), stage_notes=tuple(notes)
+  split = [
+      (group, ex)
+      for group in plan.groups
+      for ex in group.exchanges
+      if _splittable(group, ex)
+  ]
+  notes = [
+      f"{_exchange_words(ex)} in one stage: no worker orthogonalizes two of"
+      " its matrices, so none can move while another is orthogonalized."
+      for group in plan.groups
+      for ex in group.exchanges
+      if group.workers > 1 and group.exchange_size > 1 and _most(ex) < 2
+  ]
+  if stages is not None:
+    return plan if stages == 1 or not split else _in_stages(replan(stages), stages)
+  if not model.overlap:
+    return plan
+  if not split:
+    return dataclasses.replace(plan, stage_notes=tuple(notes))
+  options = {1: plan}
+  for s in range(2, MAX_STAGES + 1):
+    options[s] = _in_stages(replan(s), s)
+  seconds = {s: p.critical_seconds(model) for s, p in options.items()}
+  best = min(seconds.values())
+  chosen = min(
+      s
+      for s, t in seconds.items()
+      if t <= best * (1 + NEAR_BEST)
+      and (s == 1 or t < seconds[1] * (1 - MIN_GAIN))
   )
+  if chosen == 1:
+    t, s = min((t, s) for s, t in seconds.items() if s > 1)
+    notes += [
+        f"{_exchange_words(ex)} in one stage: the cost model's pipelined time"
+        f" is no shorter in stages ({s} stages {t * 1e3:.3g} ms against"
+        f" {seconds[1] * 1e3:.3g} ms in one: each stage's all-to-all carries"
+        " its busiest worker's chunk and pays the collective latency, the"
+        " loop moves one stage more, and a worker's short runs pad)."
+        for _, ex in split
+    ]
+    return dataclasses.replace(plan, stage_notes=tuple(notes))
+  return dataclasses.replace(options[chosen], stage_notes=tuple(notes))
 
 
 def _exchange_words(ex: Exchange) -> str:
