@@ -119,8 +119,9 @@ def _padded_flops(plan):
 def _assert_looped(plan, whole, compiled):
   """Each worker's runs cut into equal stages run by one loop: every stage one
   program; the NS FLOPs over all devices those of one stage plus the empty
-  slots', each device's all in the HLO; one all-to-all each way before, in and
-  after the loop; the received bytes the plan's (S + 1 stages)."""
+  slots', each device's all in the HLO; one all-to-all out before the loop, one
+  both ways in it, one back after it; the received bytes the plan's (S + 1
+  stages)."""
   for group in plan.groups:
     for stages in group.stages():
       assert len({(ex.programs, ex.team_programs) for ex in stages}) == 1
@@ -134,7 +135,7 @@ def _assert_looped(plan, whole, compiled):
   looped = sum(s > 1 for s in _stage_counts(plan))
   assert (
       len(re.findall(r" all-to-all\(", compiled.as_text()))
-      == 2 * len(_stage_counts(plan)) + 2 * looped
+      == 2 * len(_stage_counts(plan)) + looped
   )
   # The exchange's bytes (the teams' own collectives run inside NS).
   teams = any(ex.teams for g in plan.groups for ex in g.exchanges)
@@ -266,11 +267,12 @@ def test_summary_counts_every_stage():
   )
   summary = om.summarize(sharded, tx)
   rows = {r.path: r for r in summary.rows}
-  # Owners placed in bundles of two matrices of a kind: every worker's runs cut
-  # into two equal stages (one stage: 1–3 per worker), but for the one short
-  # bundle of each kind with an odd count: mlp_in's 3 and mlp_out's 3.
+  # Owners placed in bundles of two matrices of a kind and re-dealt as two
+  # patterns (one stage: 1–3 per worker): every worker's runs cut into two
+  # equal stages, but for the short bundle of each kind with an odd count
+  # (mlp_in's 3 and mlp_out's 3).
   assert rows["blocks/0/q"].placement.endswith(
-      "12 matrices, 0–4 whole per worker of 8, exchanged in 2 stages"
+      "12 matrices, 0–6 whole per worker of 8, exchanged in 2 stages"
   )
   for path in ("blocks/0/mlp_in", "blocks/0/mlp_out"):
     assert rows[path].placement.endswith(

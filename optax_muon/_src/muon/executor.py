@@ -364,10 +364,10 @@ def _switch(index, branches, operand):
   return jax.lax.switch(index, branches, operand)
 
 
-def _send(
-    units: jax.Array, index: jax.Array, group: Group
-) -> jax.Array:
-  """Steps 2–3: this device's pieces out to their owners.
+def _outgoing(units: jax.Array, index: jax.Array, group: Group) -> jax.Array:
+  """Step 2: row x holds this device's pieces of the matrices of worker (x,
+  rep), padded to the busiest worker's; replicas hold the same data, so each
+  sends its own workers' only.
 
   Args:
     units: the exchange's stacks in the wire dtype as (units, unit) rows, then
@@ -376,18 +376,20 @@ def _send(
     group: the exchange's group.
 
   Returns:
-    (g, chunk): row p holds peer p's pieces of this worker's matrices.
+    (g, chunk).
   """
   g = group.exchange_size
   replicas = group.workers // g
   rep = _index(group.replica_axes) if group.split else 0
-  # 2. Row x: this device's pieces of the matrices of worker (x, rep), padded to
-  # the busiest worker's; replicas hold the same data, so each sends its own
-  # workers' only.
   send = units[index.reshape(g, replicas, -1)].reshape(g, replicas, -1)
-  buffer = jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)
-  # 3. All-to-all over X.
-  return _all_to_all(buffer, group.exchange_axes) if g > 1 else buffer
+  return jax.lax.dynamic_index_in_dim(send, rep, axis=1, keepdims=False)
+
+
+def _exchange(buffer: jax.Array, group: Group) -> jax.Array:
+  """Steps 3 and 6: the all-to-all over X (row p to and from peer p)."""
+  if group.exchange_size == 1:
+    return buffer
+  return _all_to_all(buffer, group.exchange_axes)
 
 
 def _orthogonalize_received(
@@ -441,11 +443,9 @@ def _orthogonalize_received(
   return reply
 
 
-def _receive(reply: jax.Array, group: Group, unit: int) -> jax.Array:
-  """Step 6: the results back; row x = worker (x, rep)'s pieces of this
-  device's matrices, the replicas' all-gathered: as (rows, unit)."""
-  if group.exchange_size > 1:
-    reply = _all_to_all(reply, group.exchange_axes)
+def _returned(reply: jax.Array, group: Group, unit: int) -> jax.Array:
+  """Step 6 after the all-to-all: row x = worker (x, rep)'s pieces of this
+  device's matrices; the replicas' all-gathered; as (rows, unit)."""
   if group.split:
     reply = jax.lax.all_gather(
         reply, group.replica_axes, axis=1
@@ -480,10 +480,9 @@ def _run_stages(
   size = units.shape[0] - 1
   tables = [buffer_units(ex, plan, g, unit)[0] for ex in stages]
   if len(stages) == 1:
-    reply = _orthogonalize_received(
-        _send(units, tables[0], group), plan, ns, group, stages[0]
-    )
-    results = _receive(reply, group, unit)
+    received = _exchange(_outgoing(units, tables[0], group), group)
+    reply = _orthogonalize_received(received, plan, ns, group, stages[0])
+    results = _returned(_exchange(reply, group), group, unit)
     # 7. The inverse of step 2's gathers.
     index = tables[0].reshape(-1)
     inverse = np.full(size, -1, np.int64)
@@ -500,23 +499,30 @@ def _run_stages(
   np.add.at(covered, places.reshape(-1), 1)
   assert (covered[:size] == 1).all(), "each piece in exactly one stage"
   sources = jnp.asarray(np.stack(tables))
-  targets = jnp.asarray(np.concatenate([dropped[None], places]).reshape(count + 1, -1))
+  targets = jnp.asarray(
+      np.concatenate([dropped[None], places]).reshape(count + 1, -1)
+  )
 
-  def place(units, s, results):
-    return units.at[targets[s]].set(results, mode="drop")
+  def place(units, s, returned):
+    return units.at[targets[s]].set(returned, mode="drop")
 
   def iteration(s, carry):
     received, previous, units = carry
     reply = _orthogonalize_received(received, plan, ns, group, program)
-    upcoming = _send(units, sources[jnp.minimum(s + 1, count - 1)], group)
-    units = place(units, s, _receive(previous, group, unit))
-    return upcoming, reply, units
+    # Stage s + 1 out and stage s − 1 back in one all-to-all: one latency, and
+    # one collective in flight beside the NS.
+    outgoing = _outgoing(units, sources[jnp.minimum(s + 1, count - 1)], group)
+    both = _exchange(jnp.concatenate([outgoing, previous], axis=1), group)
+    chunk = outgoing.shape[1]
+    units = place(units, s, _returned(both[:, chunk:], group, unit))
+    return both[:, :chunk], reply, units
 
-  first = _send(units, sources[0], group)
+  first = _exchange(_outgoing(units, sources[0], group), group)
   _, last, units = jax.lax.fori_loop(
       0, count, iteration, (first, jnp.zeros_like(first), units)
   )
-  return place(units, count, _receive(last, group, unit))[:size]
+  returned = _returned(_exchange(last, group), group, unit)
+  return place(units, count, returned)[:size]
 
 
 def _run_exchange(

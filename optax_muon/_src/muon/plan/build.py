@@ -42,8 +42,7 @@ def _plan_with(
 ) -> Plan:
   """The plan of ``exchanges`` whose kinds ``splits`` gives (per exchange index)
   teams orthogonalize, owners chosen for everything else (in bundles of
-  ``bundle`` matrices of a kind: ``owners.place_matrices``; the programs are
-  re-dealt only without)."""
+  ``bundle`` matrices of a kind: ``owners.place_matrices``)."""
   spread = options.exchange == "per_shape"
   matrices, loads = place_matrices(
       groups,
@@ -56,10 +55,10 @@ def _plan_with(
       model,
       bundle,
   )
-  if weigh_bytes and not spread and bundle == 1:
+  if weigh_bytes and not spread:
     for m in matrices:
       if not m.team_items:
-        fewer_programs(m, loads)
+        fewer_programs(m, loads, bundle)
   made: list[list] = [[] for _ in groups]
   for e, (exchange, m) in enumerate(zip(exchanges, matrices)):
     made[exchange.group].append(
@@ -134,15 +133,24 @@ def build_plan(
       weigh_bytes=weigh_bytes,
       model=model,
   )
-  whole = plan_with(exchanges, {})
   if model is None:
-    return whole
-  plan, layout = choose_teams(
-      whole, plan_with, groups, exchanges, placements, team_cost, model
-  )
-  return choose_stages(
-      plan,
+    return plan_with(exchanges, {})
+
+  def staged(exchanges, splits):
+    """The plan of these teams, its exchanges in the stages that suit it."""
+    return choose_stages(
+        plan_with(exchanges, splits),
+        model,
+        options.exchange_stages,
+        lambda bundle: plan_with(exchanges, splits, bundle=bundle),
+    )
+
+  return choose_teams(
+      staged(exchanges, {}),
+      staged,
+      groups,
+      exchanges,
+      placements,
+      team_cost,
       model,
-      options.exchange_stages,
-      lambda bundle: plan_with(*layout, bundle=bundle),
   )

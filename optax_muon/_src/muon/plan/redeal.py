@@ -41,10 +41,10 @@ class Deal(NamedTuple):
 
 
 def _pattern_counts(
-    totals: list[int], u: int, v: int
+    totals: list[int], u: int, v: int, bundle: int = 1
 ) -> list[list[tuple[int, int]]] | None:
-  """Per bucket, every (p_b, q_b) with u·p_b + v·q_b = K_b; None if a bucket has
-  none."""
+  """Per bucket, every (p_b, q_b), multiples of ``bundle``, with u·p_b + v·q_b =
+  K_b; None if a bucket has none."""
   options = []
   for t in totals:
     if v == 0:
@@ -55,6 +55,7 @@ def _pattern_counts(
           for p in range(t // u + 1)
           if (t - u * p) % v == 0
       ]
+    opts = [(p, q) for p, q in opts if p % bundle == 0 and q % bundle == 0]
     if not opts:
       return None
     options.append(opts)
@@ -96,10 +97,11 @@ def _best_counts(
 
 
 def _best_deal(
-    m: ExchangeMatrices, patterns: int, load_cap: float
+    m: ExchangeMatrices, patterns: int, load_cap: float, bundle: int
 ) -> Deal | None:
   """The deal with the fewest patterns (fewer than ``patterns``), then the least
-  load and size, within the caps; None if there is none."""
+  load and size, within the caps, each count a multiple of ``bundle``; None if
+  there is none."""
   workers, buckets = m.counts.shape
   totals = [int(t) for t in m.counts.sum(axis=0)]
   cost = [
@@ -119,7 +121,7 @@ def _best_deal(
       )  # distinct patterns, the idle one included
       if count >= patterns:
         continue
-      options = _pattern_counts(totals, u, v)
+      options = _pattern_counts(totals, u, v, bundle)
       found = (
           None
           if options is None
@@ -137,7 +139,9 @@ def _owner_loads(m: ExchangeMatrices) -> np.ndarray:
   return mine
 
 
-def fewer_programs(m: ExchangeMatrices, loads: np.ndarray) -> None:
+def fewer_programs(
+    m: ExchangeMatrices, loads: np.ndarray, bundle: int = 1
+) -> None:
   """Re-deals one exchange's matrices as two patterns (and idle workers), if
   free.
 
@@ -148,6 +152,9 @@ def fewer_programs(m: ExchangeMatrices, loads: np.ndarray) -> None:
   Args:
     m: the exchange's matrices and their owners; updated.
     loads: every device's load (flattened mesh); updated.
+    bundle: the owners' bundle size (``owners.place_matrices``): each pattern's
+      counts stay multiples of it; the matrices of a bucket are dealt in their
+      order, a kind's consecutive.
   """
   workers = len(m.owned_elements)
   patterns = len({tuple(row) for row in m.counts})
@@ -158,7 +165,7 @@ def fewer_programs(m: ExchangeMatrices, loads: np.ndarray) -> None:
   np.maximum.at(base, m.worker, loads - mine[m.worker])
   if not np.allclose(base, base[0]):
     return
-  deal = _best_deal(m, patterns, float(loads.max()) - base[0])
+  deal = _best_deal(m, patterns, float(loads.max()) - base[0], bundle)
   if deal is None:
     return
   loads -= mine[m.worker]

@@ -16,7 +16,9 @@ buckets and programs; the executor takes consecutive ones as one exchange
 (``Group.stages``).
 
 S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
-within 2% of the shortest modelled time, 1 where the model cannot overlap
+within 2% of the shortest modelled time among the stage counts that compile no
+more NS programs than one stage (``ns_programs``), if one of them gains; else
+among all; 1 where the model cannot overlap
 collectives (``CostModel.overlap``; XLA:CPU) or where the padding, the loop's
 extra transfers or a stage's collective latency cost more than overlap hides.
 """
@@ -33,8 +35,7 @@ from optax_muon._src.muon.plan.model import PAD, Exchange, Group, Plan, Run
 MAX_STAGES = 8
 #: A split must shorten the modelled time by this share of it.
 MIN_GAIN = 0.01
-#: The fewest stages whose modelled time is within this share of the shortest
-#: (fewer stages: fewer loop iterations, less padding to go wrong on).
+#: The fewest stages whose modelled time is within this share of the shortest.
 NEAR_BEST = 0.02
 
 
@@ -131,6 +132,18 @@ def _in_stages(plan: Plan, stages: int) -> Plan:
   return dataclasses.replace(plan, groups=tuple(groups))
 
 
+def ns_programs(plan: Plan) -> int:
+  """The NS calls the plan compiles: per exchange (the stages of one share
+  theirs), each distinct program's buckets with a matrix, and each team
+  program's runs."""
+  return sum(
+      sum(sum(1 for runs in p if runs) for p in stages[0].programs)
+      + sum(len(p) for p in stages[0].team_programs)
+      for group in plan.groups
+      for stages in group.stages()
+  )
+
+
 def choose_stages(
     plan: Plan,
     model: CostModel,
@@ -179,13 +192,14 @@ def choose_stages(
   for s in range(2, MAX_STAGES + 1):
     options[s] = _in_stages(replan(s), s)
   seconds = {s: p.critical_seconds(model) for s, p in options.items()}
-  best = min(seconds.values())
-  chosen = min(
-      s
-      for s, t in seconds.items()
-      if t <= best * (1 + NEAR_BEST)
-      and (s == 1 or t < seconds[1] * (1 - MIN_GAIN))
-  )
+  # Stages that gain; those that compile no more NS programs than one stage
+  # first.
+  gaining = [s for s in options if s == 1 or seconds[s] < seconds[1] * (1 - MIN_GAIN)]
+  cheap = [s for s in gaining if ns_programs(options[s]) <= ns_programs(plan)]
+  if len(cheap) > 1:
+    gaining = cheap
+  best = min(seconds[s] for s in gaining)
+  chosen = min(s for s in gaining if seconds[s] <= best * (1 + NEAR_BEST))
   if chosen == 1:
     t, s = min((t, s) for s, t in seconds.items() if s > 1)
     notes += [
