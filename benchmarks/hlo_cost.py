@@ -216,12 +216,19 @@ class HloCost:
   temp_bytes: int
   conditionals: list[Conditional] = dataclasses.field(default_factory=list)
 
-  def device_dot_flops(self, branches: list[int]) -> int:
+  def device_dot_flops(self, branches: list) -> int:
     """Dot FLOPs of a device that takes branch ``branches[k]`` of conditional
-    k."""
+    k: one branch, or one per run of a conditional in a loop (an exchange's
+    stages)."""
     flops = self.dot_flops
     for c, b in zip(self.conditionals, branches, strict=True):
-      flops += (c.branch_flops[b] - max(c.branch_flops)) * c.multiplicity
+      runs = np.atleast_1d(b)
+      for branch in runs:
+        flops += (
+            (c.branch_flops[branch] - max(c.branch_flops))
+            * c.multiplicity
+            // len(runs)
+        )
     return flops
 
   @property
@@ -566,7 +573,7 @@ def compiled_device_flops(cost, plan) -> np.ndarray:
   shape = [size for _, size in plan.mesh_shape]
   out = np.zeros(shape, np.int64)
   for index in np.ndindex(*shape):
-    out[index] = cost.device_dot_flops([int(c[index]) for c in choice])
+    out[index] = cost.device_dot_flops([c[index] for c in choice])
   return out
 
 

@@ -117,14 +117,11 @@ def _padded_flops(plan):
 
 
 def _assert_looped(plan, whole, compiled):
-  """Each worker's runs cut into equal stages run by one loop: every stage one
-  program; the NS FLOPs over all devices those of one stage plus the empty
-  slots', each device's all in the HLO; one all-to-all out before the loop, one
-  both ways in it, one back after it; the received bytes the plan's (S + 1
-  stages)."""
-  for group in plan.groups:
-    for stages in group.stages():
-      assert len({(ex.programs, ex.team_programs) for ex in stages}) == 1
+  """The stages run by one loop: the NS FLOPs over all devices those of one
+  stage plus the empty slots', each device's all in the HLO (its branch of
+  each stage); one all-to-all out before the loop, one both ways in it, one
+  back after it; the received bytes the plan's (S + 1 stages of the longest
+  chunk)."""
   assert plan.device_ns_flops().sum() == whole.device_ns_flops().sum() + (
       _padded_flops(plan)
   )
@@ -265,17 +262,13 @@ def test_summary_counts_every_stage():
       ns_options=STANDARD,
       sharding=om.ShardingOptions(exchange_stages=2),
   )
-  summary = om.summarize(sharded, tx)
-  rows = {r.path: r for r in summary.rows}
-  # Owners placed in bundles of two matrices of a kind and re-dealt as two
-  # patterns (one stage: 1–3 per worker): every worker's runs cut into two
-  # equal stages, but for the short bundle of each kind with an odd count
-  # (mlp_in's 3 and mlp_out's 3).
+  rows = {r.path: r for r in om.summarize(sharded, tx).rows}
+  # The same owners as in one stage (see test_sharded's summary test), each
+  # one's matrices cut by load: no slot padded.
   assert rows["blocks/0/q"].placement.endswith(
-      "12 matrices, 0–6 whole per worker of 8, exchanged in 2 stages"
+      "12 matrices, 1–3 whole per worker of 8, exchanged in 2 stages"
   )
-  for path in ("blocks/0/mlp_in", "blocks/0/mlp_out"):
-    assert rows[path].placement.endswith(
-        "6 matrices, 0–2 whole per worker of 8, exchanged in 2 stages (2 padded"
-        " slots)"
-    )
+  assert (
+      "6 matrices, 0–1 whole per worker of 8"
+      in rows["blocks/0/mlp_in"].placement
+  )

@@ -28,6 +28,7 @@ from optax_muon._src.muon.plan.model import (
     Plan,
     Program,
     TeamProgram,
+    stage_programs,
 )
 from optax_muon._src.muon.spec import MuonTreeSpec
 
@@ -238,7 +239,11 @@ def _exchange_unit(ex: Exchange, plan: Plan, g: int) -> int:
 
 
 def buffer_units(
-    ex: Exchange, plan: Plan, g: int, unit: int | None = None
+    ex: Exchange,
+    plan: Plan,
+    g: int,
+    unit: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[np.ndarray, int]:
   """Where each unit of the (workers, chunk) buffer comes from, and the unit.
 
@@ -251,7 +256,8 @@ def buffer_units(
   size of the device's Muon params in the compiled program.)
 
   ``unit``: a divisor of ``_exchange_unit``'s (the stages of an exchange share
-  the gcd of theirs); None: that unit.
+  the gcd of theirs); None: that unit. ``chunk``: the row length (the stages of
+  an exchange share their longest); None: ``ex.chunk(g)``.
 
   Returns:
     ((workers, chunk // unit) unit indices, unit).
@@ -262,7 +268,7 @@ def buffer_units(
       // unit
   )
   zero = starts[-1]
-  index = np.full((len(ex.owned), ex.chunk(g) // unit), zero, np.int64)
+  index = np.full((len(ex.owned), (chunk or ex.chunk(g)) // unit), zero, np.int64)
   for w, owned in enumerate(ex.owned):
     parts = []
     for run in ex.teams[w // ex.team_size] if ex.teams else ():
@@ -392,26 +398,42 @@ def _exchange(buffer: jax.Array, group: Group) -> jax.Array:
   return _all_to_all(buffer, group.exchange_axes)
 
 
+def _lookup(table: np.ndarray, stage, index) -> jax.Array:
+  """``table[stage, index]``; a constant row when ``stage`` is a Python int."""
+  row = table[stage] if isinstance(stage, int) else jnp.asarray(table)[stage]
+  return jnp.asarray(row)[index]
+
+
 def _orthogonalize_received(
-    buffer: jax.Array, plan: Plan, ns: NSFunction, group: Group, ex: Exchange
+    buffer: jax.Array,
+    plan: Plan,
+    ns: NSFunction,
+    group: Group,
+    stages: tuple[Exchange, ...],
+    stage,
 ) -> jax.Array:
-  """Steps 4–5: NS of this worker's matrices (team blocks first, then whole
-  matrices), each distinct program one switch branch: (g, chunk) received
-  pieces → (g, chunk) pieces of the results."""
-  g, replicas = group.exchange_size, group.workers // group.exchange_size
+  """Steps 4–5: NS of this worker's matrices of one stage (team blocks first,
+  then whole matrices), each distinct program one switch branch: (g, chunk)
+  received pieces → (g, chunk) pieces of the results.
+
+  ``stage``: its index into ``stages`` (traced inside the stages' loop).
+  """
+  ex, g = stages[0], group.exchange_size
+  replicas = group.workers // g
   rep = _index(group.replica_axes) if group.split else 0
   worker = _index(group.exchange_axes) * replicas + rep
-  team_width, whole_width = max(ex.team_elements(g)), max(ex.whole_elements(g))
+  table = stage_programs(stages, g)
+  team_width, whole_width = table.team_width, table.whole_width
   reply = jnp.zeros_like(buffer)
   # 4. Matrices split over teams: each member's columns, NS with its team; each
   # distinct team program is one switch branch, taken by all of the team's
   # members.
   if team_width:
     team = _switch(
-        jnp.asarray(ex.team_program_of, np.int32)[worker // ex.team_size],
+        _lookup(table.team_program_of, stage, worker // ex.team_size),
         [
             functools.partial(_team_program, ex, group, plan, ns, p)
-            for p in ex.team_programs
+            for p in table.team_programs
         ],
         buffer[:, :team_width],
     )
@@ -419,17 +441,17 @@ def _orthogonalize_received(
   # 5. Whole matrices, NS, pieces again. They follow the worker's team blocks.
   if whole_width:
     offset = (
-        jnp.asarray(ex.team_elements(g), np.int32)[worker] if team_width else 0
+        _lookup(table.team_elements, stage, worker) if team_width else 0
     )
     padded = (
         jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
     )
     whole = jax.lax.dynamic_slice_in_dim(padded, offset, whole_width, axis=1)
     whole = _switch(
-        jnp.asarray(ex.program_of, np.int32)[worker],
+        _lookup(table.program_of, stage, worker),
         [
             functools.partial(_owner_program, ex, group, plan, ns, p)
-            for p in ex.programs
+            for p in table.programs
         ],
         whole,
     )
@@ -478,10 +500,11 @@ def _run_stages(
   """
   g, unit = group.exchange_size, units.shape[1]
   size = units.shape[0] - 1
-  tables = [buffer_units(ex, plan, g, unit)[0] for ex in stages]
+  chunk = max(ex.chunk(g) for ex in stages)
+  tables = [buffer_units(ex, plan, g, unit, chunk)[0] for ex in stages]
   if len(stages) == 1:
     received = _exchange(_outgoing(units, tables[0], group), group)
-    reply = _orthogonalize_received(received, plan, ns, group, stages[0])
+    reply = _orthogonalize_received(received, plan, ns, group, stages, 0)
     results = _returned(_exchange(reply, group), group, unit)
     # 7. The inverse of step 2's gathers.
     index = tables[0].reshape(-1)
@@ -490,7 +513,7 @@ def _run_stages(
     inverse[index[valid]] = np.flatnonzero(valid)
     assert (inverse >= 0).all(), "every matrix is orthogonalized"
     return results[inverse.astype(np.int32)]
-  count, program = len(stages), stages[0]
+  count = len(stages)
   # Where each stage's results go; padding (and iteration 0's way back, which
   # carries no stage) past the end, dropped.
   dropped = np.full_like(tables[0], size + 1)
@@ -508,7 +531,7 @@ def _run_stages(
 
   def iteration(s, carry):
     received, previous, units = carry
-    reply = _orthogonalize_received(received, plan, ns, group, program)
+    reply = _orthogonalize_received(received, plan, ns, group, stages, s)
     # Stage s + 1 out and stage s − 1 back in one all-to-all: one latency, and
     # one collective in flight beside the NS.
     outgoing = _outgoing(units, sources[jnp.minimum(s + 1, count - 1)], group)

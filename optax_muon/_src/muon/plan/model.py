@@ -409,10 +409,16 @@ class Group:
     return [tuple(r) for r in runs]
 
   def received_bytes(
-      self, ex: Exchange, itemsize: int, ragged: bool = False
+      self,
+      ex: Exchange,
+      itemsize: int,
+      ragged: bool = False,
+      chunk: int | None = None,
   ) -> np.ndarray:
     """Per worker, the bytes each of its devices receives in the exchange ``ex``
-    of ``itemsize``-byte elements (see ``Plan.device_received_bytes``)."""
+    of ``itemsize``-byte elements (see ``Plan.device_received_bytes``);
+    ``chunk``: the elements sent to each peer, if not ``ex``'s own (the stages
+    of a loop send their longest)."""
     g, replicas = self.exchange_size, self.workers // self.exchange_size
     # Elements one device sends each worker: its piece of every matrix the
     # worker owns.
@@ -423,22 +429,27 @@ class Group:
       per_worker = (g - 1) * owned + owned.sum() - owned
     else:
       per_worker = np.full(
-          self.workers, (2 * (g - 1) + (replicas - 1) * g) * ex.chunk(g)
+          self.workers,
+          (2 * (g - 1) + (replicas - 1) * g) * (chunk or ex.chunk(g)),
       )
     return itemsize * per_worker
 
   def stage_seconds(
-      self, ex: Exchange, itemsize: int, model: CostModel
+      self,
+      ex: Exchange,
+      itemsize: int,
+      model: CostModel,
+      chunk: int | None = None,
   ) -> tuple[float, float, float]:
     """One stage ``ex`` of a pipelined exchange: the busiest worker's NS time
     (team collectives included), the all-to-all out and the way back (with the
-    replicas' all-gather)."""
+    replicas' all-gather); ``chunk`` as in ``received_bytes``."""
     compute = (
         ex.worker_flops() / model.flops_per_second
         + ex.worker_team_collective_seconds(model)
     ).max()
     g, replicas = self.exchange_size, self.workers // self.exchange_size
-    chunk = itemsize * ex.chunk(g)
+    chunk = itemsize * (chunk or ex.chunk(g))
     one_way = model.collective_seconds((g - 1) * chunk) if g > 1 else 0.0
     gather = (
         model.collective_seconds((replicas - 1) * g * chunk)
@@ -521,10 +532,11 @@ class Plan:
         continue
       worker = group.worker_of_devices(self.mesh_shape)
       for stages in group.stages():
-        for ex in _moved(stages):
-          received += group.received_bytes(ex, self.wire_itemsize(ex), ragged)[
-              worker
-          ]
+        chunk = max(ex.chunk(group.exchange_size) for ex in stages)
+        for ex in stages if ragged else _moved(stages):
+          received += group.received_bytes(
+              ex, self.wire_itemsize(ex), ragged, chunk
+          )[worker]
     return received
 
   def device_seconds(self, model: CostModel | None = None) -> np.ndarray:
@@ -563,9 +575,10 @@ class Plan:
             + ex.worker_team_collective_seconds(model)[worker]
         )
     for group, stages in staged:
+      chunk = max(ex.chunk(group.exchange_size) for ex in stages)
       ns, out, back = zip(
           *(
-              group.stage_seconds(ex, self.wire_itemsize(ex), model)
+              group.stage_seconds(ex, self.wire_itemsize(ex), model, chunk)
               for ex in stages
           )
       )
@@ -591,24 +604,89 @@ class Plan:
 
   def switches(self) -> list[tuple[tuple[int, ...], np.ndarray]]:
     """Per ``lax.switch`` (an exchange with several programs of whole matrices,
-    or with several team programs): each branch's NS FLOPs (per stage, for an
-    exchange in stages: the loop runs the switch once per stage), and the
-    branch every device takes (an array of the mesh's shape)."""
+    or with several team programs; the stages of an exchange share theirs):
+    each branch's NS FLOPs, and the branch every device takes in each stage
+    (an array of the mesh's shape plus a stage axis)."""
     out = []
     for group in self.groups:
       worker = group.worker_of_devices(self.mesh_shape)
-      # The stages of an exchange run one program in a loop: one switch.
-      for ex in (stages[0] for stages in group.stages()):
-        if len(ex.programs) > 1:
-          out.append((ex.program_flops(), np.asarray(ex.program_of)[worker]))
-        if len(ex.team_programs) > 1:
+      for stages in group.stages():
+        table = stage_programs(stages, group.exchange_size)
+        if len(table.programs) > 1:
           out.append(
               (
-                  ex.team_program_flops(),
-                  np.asarray(ex.team_program_of)[worker // ex.team_size],
+                  table.program_flops,
+                  np.moveaxis(table.program_of[:, worker], 0, -1),
+              )
+          )
+        if len(table.team_programs) > 1:
+          team = worker // stages[0].team_size
+          out.append(
+              (
+                  table.team_program_flops,
+                  np.moveaxis(table.team_program_of[:, team], 0, -1),
               )
           )
     return out
+
+
+class StagePrograms(NamedTuple):
+  """The programs of an exchange's stages, as its loop looks them up.
+
+  Attributes:
+    programs, team_programs: every distinct program over the stages (one switch
+      branch each), in order of appearance.
+    program_flops, team_program_flops: each one's NS FLOPs (a team member's).
+    program_of: (stages, workers) each worker's whole-matrix branch.
+    team_program_of: (stages, teams) each team's branch.
+    team_elements: (stages, workers) elements each device sends each worker for
+      its team's blocks (where its whole matrices start in the row).
+    team_width, whole_width: the longest team part and whole part of a row.
+  """
+
+  programs: tuple[Program, ...]
+  team_programs: tuple[TeamProgram, ...]
+  program_flops: tuple[int, ...]
+  team_program_flops: tuple[int, ...]
+  program_of: np.ndarray
+  team_program_of: np.ndarray
+  team_elements: np.ndarray
+  team_width: int
+  whole_width: int
+
+
+def stage_programs(stages: tuple[Exchange, ...], g: int) -> StagePrograms:
+  """The programs of ``stages`` (one exchange's), for an exchange of ``g``
+  devices."""
+  programs, flops = {}, {}
+  for ex in stages:
+    flops.update(zip(ex.programs, ex.program_flops()))
+    programs.update(dict.fromkeys(ex.programs))
+  team_flops = {}
+  for ex in stages:
+    team_flops.update(zip(ex.team_programs, ex.team_program_flops()))
+  whole, team = list(programs), list(team_flops)
+  team_elements = np.array([ex.team_elements(g) for ex in stages], np.int32)
+  return StagePrograms(
+      programs=tuple(whole),
+      team_programs=tuple(team),
+      program_flops=tuple(flops[p] for p in whole),
+      team_program_flops=tuple(team_flops[p] for p in team),
+      program_of=np.array(
+          [[whole.index(ex.programs[i]) for i in ex.program_of] for ex in stages],
+          np.int32,
+      ),
+      team_program_of=np.array(
+          [
+              [team.index(ex.team_programs[i]) for i in ex.team_program_of]
+              for ex in stages
+          ],
+          np.int32,
+      ).reshape(len(stages), -1),
+      team_elements=team_elements,
+      team_width=int(team_elements.max()),
+      whole_width=max(max(ex.whole_elements(g)) for ex in stages),
+  )
 
 
 def _moved(stages: tuple[Exchange, ...]) -> tuple[Exchange, ...]:

@@ -28,8 +28,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
+
 from optax_muon._src.core.profiles import CostModel
-from optax_muon._src.muon.plan.model import PAD, Exchange, Group, Plan, Run
+from optax_muon._src.muon.plan.exchanges import make_exchange
+from optax_muon._src.muon.plan.model import (
+    PAD,
+    Exchange,
+    Group,
+    Plan,
+    Run,
+    TeamRun,
+    stage_programs,
+)
+from optax_muon._src.muon.plan.owners import Ownership
 
 #: The most stages an exchange is split into.
 MAX_STAGES = 8
@@ -103,6 +115,119 @@ def split_exchange(ex: Exchange, stages: int) -> tuple[Exchange, ...]:
   return tuple(out)
 
 
+def _place(
+    loads: np.ndarray, profile: np.ndarray, seconds: float
+) -> int:
+  """The stage for an item of ``seconds`` on devices with per-stage ``loads``:
+  the one that lengthens the stages' busiest loads (``profile``) least, the
+  least loaded of those."""
+  growth = np.maximum(loads + seconds - profile, 0.0)
+  return int(np.lexsort((np.arange(len(loads)), loads, growth))[0])
+
+
+def split_by_load(
+    ex: Exchange,
+    plan: Plan,
+    group: Group,
+    stages: int,
+    model: CostModel,
+) -> tuple[Exchange, ...]:
+  """``ex`` as ``stages`` exchanges of the same buckets, each worker's (and
+  team's) program its own per stage, so that the pipelined time stays short:
+  teams, then workers, the busiest first, place their matrices (largest first)
+  where they lengthen the stages' busiest loads least, else in their least
+  loaded stage. Each stage starts as long as its share of the exchange's
+  transfers (NS that short hides them anyway).
+
+  Args:
+    ex: an exchange in one stage.
+    plan: its plan.
+    group: its group.
+    stages: how many stages.
+    model: the cost model (a team member's collectives count as its time).
+
+  Returns:
+    The stages, each an ``Exchange`` whose ``owned`` (and ``teams``) hold that
+    stage's matrices.
+  """
+  k, workers = ex.team_size, group.workers
+  _, out, back = group.stage_seconds(ex, plan.wire_itemsize(ex), model)
+  # (worker, stage) modelled NS seconds, and per stage its busiest.
+  loads = np.zeros((workers, stages))
+  profile = np.full(stages, (out + back) / stages)
+  team_items = [
+      [
+          (r.cost.seconds(model), q, j)
+          for q, r in enumerate(runs)
+          for j in r.matrices
+      ]
+      for runs in ex.teams
+  ]
+  whole_items = [
+      [
+          (model.compute_seconds(ex.buckets[b].flops), b, j)
+          for b, mine in enumerate(owned)
+          for j in mine
+      ]
+      for owned in ex.owned
+  ]
+  picked = [[[] for _ in runs] for runs in ex.teams]
+  order = sorted(
+      range(len(ex.teams)), key=lambda t: -sum(x[0] for x in team_items[t])
+  )
+  for t in order:
+    members = slice(t * k, (t + 1) * k)
+    for seconds, q, j in sorted(team_items[t], reverse=True):
+      stage = _place(loads[members].max(axis=0), profile, seconds)
+      picked[t][q].append((stage, j))
+      loads[members, stage] += seconds
+      profile[stage] = max(profile[stage], loads[members, stage].max())
+  offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
+  owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
+  for w in sorted(
+      range(workers), key=lambda w: -sum(x[0] for x in whole_items[w]) - loads[w].sum()
+  ):
+    for seconds, b, j in sorted(whole_items[w], reverse=True):
+      stage = _place(loads[w], profile, seconds)
+      owners[stage][offsets[b] + j] = w
+      loads[w, stage] += seconds
+      profile[stage] = max(profile[stage], loads[w, stage])
+  out = []
+  for stage, owner in enumerate(owners):
+    part = make_exchange(
+        ex.buckets, Ownership(owner, []), list(plan.leaves), workers
+    )
+    if ex.teams:
+      teams = [
+          [
+              dataclasses.replace(
+                  r, matrices=tuple(j for s, j in picked[t][q] if s == stage)
+              )
+              for q, r in enumerate(runs)
+              if any(s == stage for s, _ in picked[t][q])
+          ]
+          for t, runs in enumerate(ex.teams)
+      ]
+      part = _with_teams(part, k, teams)
+    out.append(part)
+  return tuple(out)
+
+
+def _with_teams(
+    ex: Exchange, team_size: int, teams: list[list[TeamRun]]
+) -> Exchange:
+  """``ex`` with these teams' runs (and their distinct programs)."""
+  keys = [tuple(r.key for r in runs) for runs in teams]
+  programs = list(dict.fromkeys(keys))
+  return dataclasses.replace(
+      ex,
+      team_size=team_size,
+      teams=tuple(tuple(runs) for runs in teams),
+      team_programs=tuple(programs),
+      team_program_of=tuple(programs.index(k) for k in keys),
+  )
+
+
 def _most(ex: Exchange) -> int:
   """The most matrices (whole, and team shares) one worker of ``ex`` runs."""
   return max(
@@ -117,31 +242,38 @@ def _splittable(group: Group, ex: Exchange) -> bool:
   return group.workers > 1 and group.exchange_size > 1 and _most(ex) >= 2
 
 
-def _in_stages(plan: Plan, stages: int) -> Plan:
+def _in_stages(
+    plan: Plan, stages: int, equal: bool, model: CostModel
+) -> Plan:
   """``plan`` with every exchange that can be split cut into ``stages`` (at
-  most its busiest worker's matrix count)."""
+  most its busiest worker's matrix count): into equal runs of one program
+  (``split_exchange``, owners in bundles) or by load (``split_by_load``)."""
   groups = []
   for group in plan.groups:
     exchanges = []
     for ex in group.exchanges:
-      if _splittable(group, ex):
-        exchanges += split_exchange(ex, min(stages, _most(ex)))
-      else:
+      count = min(stages, _most(ex))
+      if not _splittable(group, ex):
         exchanges.append(ex)
+      elif equal:
+        exchanges += split_exchange(ex, count)
+      else:
+        exchanges += split_by_load(ex, plan, group, count, model)
     groups.append(dataclasses.replace(group, exchanges=tuple(exchanges)))
   return dataclasses.replace(plan, groups=tuple(groups))
 
 
 def ns_programs(plan: Plan) -> int:
-  """The NS calls the plan compiles: per exchange (the stages of one share
-  theirs), each distinct program's buckets with a matrix, and each team
-  program's runs."""
-  return sum(
-      sum(sum(1 for runs in p if runs) for p in stages[0].programs)
-      + sum(len(p) for p in stages[0].team_programs)
-      for group in plan.groups
-      for stages in group.stages()
-  )
+  """The NS calls the plan compiles: per exchange (its stages share their
+  switch branches), each distinct program's buckets with a matrix, and each
+  distinct team program's runs."""
+  total = 0
+  for group in plan.groups:
+    for stages in group.stages():
+      table = stage_programs(stages, group.exchange_size)
+      total += sum(sum(1 for runs in p if runs) for p in table.programs)
+      total += sum(len(p) for p in table.team_programs)
+  return total
 
 
 def choose_stages(
@@ -182,30 +314,38 @@ def choose_stages(
       for ex in group.exchanges
       if group.workers > 1 and group.exchange_size > 1 and _most(ex) < 2
   ]
-  if stages is not None:
-    return plan if stages == 1 or not split else _in_stages(replan(stages), stages)
-  if not model.overlap:
+  if stages == 1 or (stages is not None and not split):
+    return plan
+  if stages is None and not model.overlap:
     return plan
   if not split:
     return dataclasses.replace(plan, stage_notes=tuple(notes))
-  options = {1: plan}
-  for s in range(2, MAX_STAGES + 1):
-    options[s] = _in_stages(replan(s), s)
-  seconds = {s: p.critical_seconds(model) for s, p in options.items()}
+  # Per (stages, one program or not), the plan.
+  options = {(1, True): plan}
+  for s in range(2, MAX_STAGES + 1) if stages is None else [stages]:
+    options[s, True] = _in_stages(replan(s), s, True, model)
+    options[s, False] = _in_stages(plan, s, False, model)
+  seconds = {k: p.critical_seconds(model) for k, p in options.items()}
+  if stages is not None:
+    return options[min((k for k in options if k[0] == stages), key=seconds.get)]
   # Stages that gain; those that compile no more NS programs than one stage
   # first.
-  gaining = [s for s in options if s == 1 or seconds[s] < seconds[1] * (1 - MIN_GAIN)]
-  cheap = [s for s in gaining if ns_programs(options[s]) <= ns_programs(plan)]
+  base = seconds[1, True]
+  gaining = [k for k in options if k[0] == 1 or seconds[k] < base * (1 - MIN_GAIN)]
+  cheap = [k for k in gaining if ns_programs(options[k]) <= ns_programs(plan)]
   if len(cheap) > 1:
     gaining = cheap
-  best = min(seconds[s] for s in gaining)
-  chosen = min(s for s in gaining if seconds[s] <= best * (1 + NEAR_BEST))
-  if chosen == 1:
-    t, s = min((t, s) for s, t in seconds.items() if s > 1)
+  best = min(seconds[k] for k in gaining)
+  chosen = min(
+      (k for k in gaining if seconds[k] <= best * (1 + NEAR_BEST)),
+      key=lambda k: (k[0], seconds[k]),
+  )
+  if chosen[0] == 1:
+    t, s = min((t, k[0]) for k, t in seconds.items() if k[0] > 1)
     notes += [
         f"{_exchange_words(ex)} in one stage: the cost model's pipelined time"
         f" is no shorter in stages ({s} stages {t * 1e3:.3g} ms against"
-        f" {seconds[1] * 1e3:.3g} ms in one: each stage's all-to-all carries"
+        f" {base * 1e3:.3g} ms in one: each stage's all-to-all carries"
         " its busiest worker's chunk and pays the collective latency, the"
         " loop moves one stage more, and a worker's short runs pad)."
         for _, ex in split
