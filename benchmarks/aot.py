@@ -81,6 +81,7 @@ TARGETS = {
 # Trees: name → Llama-like shapes (d, layers, heads, kv heads, ffn, vocab).
 TREES = {
     "small": dict(d=256, layers=4, heads=4, kv_heads=2, ffn=704, vocab=1024),
+    "1b": dict(d=2048, layers=24, heads=16, kv_heads=4, ffn=5632, vocab=32000),
     "7b": dict(d=4096, layers=32, heads=32, kv_heads=8, ffn=11008, vocab=32000),
 }
 
@@ -113,13 +114,20 @@ def _set_platform_env(platform: str) -> None:
 
 def make_mesh(target: Target, config_dir: pathlib.Path = GPU_TARGETS):
   """A one-axis ("fsdp") mesh over every device of ``target``'s topology (Auto
-  axes)."""
+  axes; several TPU slices one after another)."""
+  import numpy as np  # noqa: PLC0415
   from jax.experimental import topologies  # noqa: PLC0415
+  from jax.sharding import AxisType, Mesh  # noqa: PLC0415
 
   if target.platform == "tpu":
     topo = topologies.get_topology_desc(
-        platform="tpu", topology_name=target.topology
+        platform="tpu",
+        topology_name=target.topology,
+        **({"num_slices": target.slices} if target.slices > 1 else {}),
     )
+    if target.slices > 1:  # slice after slice: FSDP over the network too
+      devices = sorted(topo.devices, key=lambda d: (d.slice_index, d.id))
+      return Mesh(np.array(devices), ("fsdp",), axis_types=(AxisType.Auto,))
   else:
     topo = topologies.get_topology_desc(
         platform="cuda",
@@ -209,11 +217,19 @@ def target_profile(mesh):
 
 
 def optimizers(
-    mesh, dims, contrib_dims, shardings, dion_ranks=(), muon: bool = True
+    mesh,
+    dims,
+    contrib_dims,
+    shardings,
+    dion_ranks=(),
+    muon: bool = True,
+    stages=(),
 ) -> dict:
   """The compared optimizers: name → (transformation, the cost model it is given
   or None); ``dion_ranks``: also ``optax_muon.dion`` at these rank fractions
-  (products at bfloat16 and at float32); ``muon``: this package's Muon rows."""
+  (products at bfloat16 and at float32); ``muon``: this package's Muon rows;
+  ``stages``: also this package's Muon with its exchanges forced into each of
+  these stage counts."""
   import math  # noqa: PLC0415
 
   import optax  # noqa: PLC0415
@@ -239,6 +255,10 @@ def optimizers(
   options["optax_muon, one stage"] = optax_muon.ShardingOptions(
       exchange_stages=1
   )
+  for count in stages:
+    options[f"optax_muon, {count} stages"] = optax_muon.ShardingOptions(
+        exchange_stages=count
+    )
   out = (
       {
           name: (
@@ -356,6 +376,7 @@ def measure(
     contrib: bool = True,
     dion_ranks=(),
     muon: bool = True,
+    stages=(),
 ) -> list[dict]:
   """Every optimizer's row for ``target_name`` and ``tree``, compiles
   alternating."""
@@ -363,7 +384,13 @@ def measure(
   mesh = make_mesh(target)
   params, dims, contrib_dims, shardings = llama_tree(mesh, **TREES[tree])
   txs = optimizers(
-      mesh, dims, contrib_dims if contrib else None, shardings, dion_ranks, muon
+      mesh,
+      dims,
+      contrib_dims if contrib else None,
+      shardings,
+      dion_ranks,
+      muon,
+      stages,
   )
   compiled, seconds, failed = {}, {name: [] for name in txs}, {}
   for _ in range(repeats):
@@ -499,6 +526,14 @@ def main(argv=None) -> list[dict]:
       ),
   )
   parser.add_argument(
+      "--stages",
+      default="",
+      help=(
+          "comma-separated stage counts: also this package's Muon with its "
+          "exchanges forced into each (default: none)"
+      ),
+  )
+  parser.add_argument(
       "--no-muon",
       action="store_true",
       help="leave this package's Muon rows out (default: off)",
@@ -528,6 +563,7 @@ def main(argv=None) -> list[dict]:
           not args.no_contrib,
           tuple(float(f) for f in args.dion.split(",") if f),
           not args.no_muon,
+          tuple(int(c) for c in args.stages.split(",") if c),
       )
       print(
           f"\n{name} ({TARGETS[name].topology}), {tree} tree\n\n{table(got)}",

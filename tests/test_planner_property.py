@@ -24,6 +24,7 @@ from optax_muon._src.core import matrices
 from optax_muon._src.muon import costs
 from optax_muon._src.core.matrices import make_layout
 from optax_muon._src.muon.plan import build_plan
+from optax_muon._src.muon.plan.model import PAD
 from optax_muon._src.muon.plan.teams import SPLIT_MARGIN
 from optax_muon._src.core.sharding import LeafSharding, dim_axes_of
 
@@ -194,6 +195,74 @@ def test_the_planner_reduces_to_what_it_replaced(case, bandwidth, latency):
   assert seconds * (1 - SPLIT_MARGIN) <= free.critical_seconds(between) * (
       1 + 1e-12
   )
+
+
+def staged_plans(leaves, mesh_shape, ns, model, stages):
+  """The plan under ``model`` in one stage, and with ``stages``."""
+  mesh = jax.sharding.AbstractMesh(*mesh_shape)
+  layouts, shardings = [], []
+  for name, (shape, spec, dims) in leaves.items():
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    layouts.append(make_layout(name, x, dims))
+    shardings.append(LeafSharding(mesh, dim_axes_of(spec, len(shape))))
+  cost = lambda m, n, dtype: costs.matrix_flops(ns, m, n, dtype, STEPS)
+  team_cost = lambda m, n, dtype, k: costs.team_cost(ns, m, n, dtype, k, STEPS)
+  return [
+      build_plan(
+          layouts,
+          shardings,
+          cost,
+          om.ShardingOptions(cost_model=model, exchange_stages=s),
+          team_cost=team_cost,
+      )
+      for s in (1, stages)
+  ]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    case=draws(),
+    bandwidth=st.floats(8, 11),
+    stages=st.sampled_from([None, 2, 3, 5]),
+)
+def test_every_matrix_is_in_exactly_one_stage(case, bandwidth, stages):
+  """Stages chosen by a model that overlaps, or forced: each exchange's local
+  matrices each in exactly one stage (whole, or in a team's runs) besides the
+  padding, the stages of an exchange of one team size; where nothing is split,
+  the one-stage plan; the modelled time no longer than one stage's where the
+  model chose."""
+  leaves, mesh, ns = case
+  model = om.CostModel(1e12, 10.0**bandwidth, 1e-6)
+  one, staged = staged_plans(leaves, mesh, ns, model, stages)
+  for group in staged.groups:
+    for parts in group.stages():
+      assert len({(ex.buckets, ex.team_size) for ex in parts}) == 1
+      seen = [
+          (k, j)
+          for ex in parts
+          for owned in ex.owned
+          for k, mine in enumerate(owned)
+          for j in mine
+          if j != PAD
+      ] + [
+          (r.bucket, j)
+          for ex in parts
+          for runs in ex.teams
+          for r in runs
+          for j in r.matrices
+          if j != PAD
+      ]
+      every = [(k, j) for k, b in enumerate(parts[0].buckets) for j in range(b.matrices)]
+      assert sorted(seen) == every
+  counts = {len(parts) for g in staged.groups for parts in g.stages()}
+  if counts == {1}:  # nothing split: the one-stage plan itself
+    assert staged.groups == one.groups
+  if stages is None:
+    assert staged.critical_seconds(model) <= one.critical_seconds(model) * (
+        1 + 1e-12
+    )
+  else:
+    assert max(counts) <= stages
 
 
 def compiled_draw(family, d, layers, devices, ratio, experts, method) -> dict:

@@ -102,9 +102,10 @@ class ShardingOptions:
       ``jax.devices()``'s), at the NS compute dtype's rate (see
       ``CostModel.profile``).
     exchange_stages: split each exchange by matrix into this many stages (a
-      team's matrices like an owner's), so that a stage's all-to-alls move
-      while another stage is orthogonalized (at most as many as the busiest
-      worker has matrices);
+      team's matrices like an owner's), run as one loop whose iteration
+      orthogonalizes one stage while the next moves out and the previous one
+      comes back (at most as many as the busiest worker has matrices; the NS
+      code is compiled once per distinct program, whatever the count);
       ``None``: as many as shorten the cost model's modelled time (one on
       XLA:CPU, whose collectives cannot overlap compute). TPUs need asynchronous
       all-to-alls for the overlap (``LIBTPU_INIT_ARGS=

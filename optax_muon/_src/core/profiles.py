@@ -173,12 +173,18 @@ _DEVICE_KINDS = (
 # for A100 systems.
 _GPU_NETWORK_BYTES_PER_SECOND = {"a100": 25e9}
 _DEFAULT_GPU_NETWORK = 50e9
+# Between TPU slices a collective crosses the data-center network (Google Cloud
+# TPU pages): v5p 50 Gb/s per chip; v5e two 100 Gb/s NICs per host of 8 chips
+# (25 Gb/s per chip); per direction.
+_TPU_DCN_BYTES_PER_SECOND = {"tpu_v5p": 50e9 / 8, "tpu_v5e": 25e9 / 8}
+_DEFAULT_TPU_DCN = 25e9 / 8
 
 
 def profile_of(devices) -> CostModel:
   """The profile of ``devices``: by ``device_kind`` where ``PROFILES`` has the
   generation, else by platform (``"cpu"`` for a platform without one). GPUs on
-  several hosts communicate at the network's bandwidth.
+  several hosts, and TPUs in several slices, communicate at the network's
+  bandwidth (the slowest link an exchange over all of them crosses).
 
   Args:
     devices: devices of a mesh (concrete, or a topology's for ahead-of-time
@@ -195,12 +201,19 @@ def profile_of(devices) -> CostModel:
     return PROFILES.get(devices[0].platform, PROFILES["cpu"])
   profile = PROFILES[name]
   hosts = {getattr(d, "process_index", 0) for d in devices}
+  slices = {getattr(d, "slice_index", 0) for d in devices}
   if devices[0].platform in ("gpu", "cuda", "rocm") and len(hosts) > 1:
     network = _GPU_NETWORK_BYTES_PER_SECOND.get(name, _DEFAULT_GPU_NETWORK)
     profile = dataclasses.replace(
         profile,
         bytes_per_second=network,
         name=f"{profile.name}, {len(hosts)} hosts",
+    )
+  elif devices[0].platform == "tpu" and len(slices) > 1:
+    profile = dataclasses.replace(
+        profile,
+        bytes_per_second=_TPU_DCN_BYTES_PER_SECOND.get(name, _DEFAULT_TPU_DCN),
+        name=f"{profile.name}, {len(slices)} slices",
     )
   return profile
 

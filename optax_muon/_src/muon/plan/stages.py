@@ -7,20 +7,31 @@ stages, the all-to-alls of stage s + 1 (out) and s − 1 (back) have no data
 dependence on stage s's NS, so a scheduler with asynchronous collectives runs
 them beside it.
 
-The stages run as one loop (``executor``), so the NS code is compiled once
-whatever S: every stage runs the same program. Each worker's run of k matrices
-of one kind (and each team's) is cut into S slices of ⌈k/S⌉ in program order,
-the last ones padded with ``PAD`` slots (zeros in, zeros out: their FLOPs and
-bytes are counted like a matrix's). Each stage is an ``Exchange`` of the same
-buckets and programs; the executor takes consecutive ones as one exchange
-(``Group.stages``).
+The stages run as one loop (``executor``): each distinct program is one switch
+branch, its NS code compiled once whatever S, and each worker (and team) looks
+up its branch for the stage. Two ways to cut an exchange, both tried:
 
-S comes from the cost model (``costs.pipelined_seconds``): the fewest stages
-within 2% of the shortest modelled time among the stage counts that compile no
-more NS programs than one stage (``ns_programs``), if one of them gains; else
-among all; 1 where the model cannot overlap
-collectives (``CostModel.overlap``; XLA:CPU) or where the padding, the loop's
-extra transfers or a stage's collective latency cost more than overlap hides.
+* equal stages (``split_exchange``): the owners are chosen again in bundles of
+  S matrices of a kind (``owners.place_matrices``), and each worker's run of k
+  matrices of one kind (and each team's) is cut into S slices of ⌈k/S⌉ in
+  program order, a short bundle padded with ``PAD`` slots (zeros in, zeros out;
+  their FLOPs and bytes count like a matrix's). Every stage runs one program:
+  no more NS code than one stage.
+* by load (``split_by_load``): the owners of one stage, each one's matrices
+  spread over the stages so that the busiest worker of each stage stays short;
+  a worker's program differs between stages (more branches, no padding).
+
+Each stage is an ``Exchange`` of the same buckets; the executor takes
+consecutive ones as one exchange (``Group.stages``). The loop moves every stage
+with the longest stage's chunk, and one stage more each way (``_moved`` in
+``model``).
+
+S and the cut come from the cost model (``costs.pipelined_seconds``): among the
+cuts that compile no more NS programs than one stage (``ns_programs``), if one
+of them gains, else among all, the fewest stages within 2% of the shortest
+modelled time; one stage where the model cannot overlap collectives
+(``CostModel.overlap``; XLA:CPU) or where padding, the loop's extra transfers
+or a stage's collective latency cost more than overlap hides.
 """
 
 from __future__ import annotations

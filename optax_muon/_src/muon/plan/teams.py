@@ -366,15 +366,15 @@ def choose_teams(
     placements: list[LeafPlacement],
     team_cost: Callable[[int, int, Any, int], TeamCost],
     model: CostModel,
-) -> Plan:
+) -> tuple[Plan, tuple]:
   """The plan with the shortest modelled critical path (see the module
   docstring).
 
   Args:
     whole: the whole-matrix plan.
     plan_with: the plan of given exchanges and their ``TeamSplit`` (by index),
-      ``plan_with(exchanges, splits)``, its exchanges in the stages that suit
-      it (``plan.stages``).
+      ``plan_with(exchanges, splits)`` (its exchanges, with the model choosing,
+      in the stages that suit it: ``plan.stages``).
     groups: the groups.
     exchanges: the buckets of every exchange.
     placements: the leaves.
@@ -383,7 +383,7 @@ def choose_teams(
     model: the cost model.
 
   Returns:
-    The chosen plan.
+    The chosen plan, and the arguments of ``plan_with`` that made it.
   """
   found = {
       e: exchange_kinds(x, groups[x.group], placements, team_cost)
@@ -413,14 +413,16 @@ def choose_teams(
           sizes,
       )
   whole_seconds = whole.critical_seconds(model)
-  best_plan, best_seconds = whole, whole_seconds
+  best = (whole, (exchanges, {}))
+  best_seconds = whole_seconds
   for bound, _, sizes in sorted(candidates.values(), key=lambda c: c[:2]):
     if bound >= best_seconds:
       break
-    plan = plan_with(*_layout(exchanges, found, sizes, placements))
+    layout = _layout(exchanges, found, sizes, placements)
+    plan = plan_with(*layout)
     seconds = plan.critical_seconds(model)
     if seconds < best_seconds:
-      best_plan, best_seconds = plan, seconds
-  return (
-      best_plan if best_seconds < whole_seconds * (1 - SPLIT_MARGIN) else whole
-  )
+      best, best_seconds = (plan, layout), seconds
+  if best_seconds < whole_seconds * (1 - SPLIT_MARGIN):
+    return best
+  return whole, (exchanges, {})
