@@ -106,7 +106,8 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
       len(loop) - loop.count("all-gather")
   ), loop
   # Across hosts, the exchange in stages: each stage's NS (in lax.switch
-  # branches) runs while the next stage's all-to-all moves.
+  # branches, in the stages' loop) runs while the all-to-all of the next
+  # stage out and the previous one back moves.
   if platform == "cuda":
     two = out["two_hosts"]
     assert two["stages"] >= 2 and two["conditionals"], two

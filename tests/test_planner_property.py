@@ -252,7 +252,11 @@ def test_every_matrix_is_in_exactly_one_stage(case, bandwidth, stages):
           for j in r.matrices
           if j != PAD
       ]
-      every = [(k, j) for k, b in enumerate(parts[0].buckets) for j in range(b.matrices)]
+      every = [
+          (k, j)
+          for k, b in enumerate(parts[0].buckets)
+          for j in range(b.matrices)
+      ]
       assert sorted(seen) == every
   counts = {len(parts) for g in staged.groups for parts in g.stages()}
   if counts == {1}:  # nothing split: the one-stage plan itself

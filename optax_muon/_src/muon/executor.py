@@ -268,7 +268,9 @@ def buffer_units(
       // unit
   )
   zero = starts[-1]
-  index = np.full((len(ex.owned), (chunk or ex.chunk(g)) // unit), zero, np.int64)
+  index = np.full(
+      (len(ex.owned), (chunk or ex.chunk(g)) // unit), zero, np.int64
+  )
   for w, owned in enumerate(ex.owned):
     parts = []
     for run in ex.teams[w // ex.team_size] if ex.teams else ():
@@ -288,8 +290,9 @@ def buffer_units(
       mine = np.asarray(mine, np.int64)[:, None]
       size = b.piece_size(g) // unit
       parts.append(
-          np.where(mine == PAD, zero, start + mine * size + np.arange(size))
-          .reshape(-1)
+          np.where(
+              mine == PAD, zero, start + mine * size + np.arange(size)
+          ).reshape(-1)
       )
     row = np.concatenate(parts)
     index[w, : row.size] = row
@@ -440,9 +443,7 @@ def _orthogonalize_received(
     reply = reply.at[:, :team_width].set(team)
   # 5. Whole matrices, NS, pieces again. They follow the worker's team blocks.
   if whole_width:
-    offset = (
-        _lookup(table.team_elements, stage, worker) if team_width else 0
-    )
+    offset = _lookup(table.team_elements, stage, worker) if team_width else 0
     padded = (
         jnp.pad(buffer, ((0, 0), (0, whole_width))) if team_width else buffer
     )

@@ -72,7 +72,9 @@ def _placement(plan: Plan, index: int, team_run) -> str:
   staged = ""
   if len(stages) > 1:
     # Slots of the stages' one program that hold no matrix (zeros run NS).
-    padded = sum(ex.owned[w][k].count(PAD) for ex in stages for w in range(len(ex.owned)))
+    padded = sum(
+        ex.owned[w][k].count(PAD) for ex in stages for w in range(len(ex.owned))
+    )
     staged = f", exchanged in {len(stages)} stages" + (
         f" ({plural(padded, 'padded slot', 'padded slots')})" if padded else ""
     )

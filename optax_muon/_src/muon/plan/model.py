@@ -673,7 +673,10 @@ def stage_programs(stages: tuple[Exchange, ...], g: int) -> StagePrograms:
       program_flops=tuple(flops[p] for p in whole),
       team_program_flops=tuple(team_flops[p] for p in team),
       program_of=np.array(
-          [[whole.index(ex.programs[i]) for i in ex.program_of] for ex in stages],
+          [
+              [whole.index(ex.programs[i]) for i in ex.program_of]
+              for ex in stages
+          ],
           np.int32,
       ),
       team_program_of=np.array(

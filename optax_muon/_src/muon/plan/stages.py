@@ -126,9 +126,7 @@ def split_exchange(ex: Exchange, stages: int) -> tuple[Exchange, ...]:
   return tuple(out)
 
 
-def _place(
-    loads: np.ndarray, profile: np.ndarray, seconds: float
-) -> int:
+def _place(loads: np.ndarray, profile: np.ndarray, seconds: float) -> int:
   """The stage for an item of ``seconds`` on devices with per-stage ``loads``:
   the one that lengthens the stages' busiest loads (``profile``) least, the
   least loaded of those."""
@@ -196,7 +194,8 @@ def split_by_load(
   offsets = np.cumsum([0] + [b.matrices for b in ex.buckets])
   owners = [[-1] * int(offsets[-1]) for _ in range(stages)]
   for w in sorted(
-      range(workers), key=lambda w: -sum(x[0] for x in whole_items[w]) - loads[w].sum()
+      range(workers),
+      key=lambda w: -sum(x[0] for x in whole_items[w]) - loads[w].sum(),
   ):
     for seconds, b, j in sorted(whole_items[w], reverse=True):
       stage = _place(loads[w], profile, seconds)
@@ -253,9 +252,7 @@ def _splittable(group: Group, ex: Exchange) -> bool:
   return group.workers > 1 and group.exchange_size > 1 and _most(ex) >= 2
 
 
-def _in_stages(
-    plan: Plan, stages: int, equal: bool, model: CostModel
-) -> Plan:
+def _in_stages(plan: Plan, stages: int, equal: bool, model: CostModel) -> Plan:
   """``plan`` with every exchange that can be split cut into ``stages`` (at
   most its busiest worker's matrix count): into equal runs of one program
   (``split_exchange``, owners in bundles) or by load (``split_by_load``)."""
@@ -342,7 +339,9 @@ def choose_stages(
   # Stages that gain; those that compile no more NS programs than one stage
   # first.
   base = seconds[1, True]
-  gaining = [k for k in options if k[0] == 1 or seconds[k] < base * (1 - MIN_GAIN)]
+  gaining = [
+      k for k in options if k[0] == 1 or seconds[k] < base * (1 - MIN_GAIN)
+  ]
   cheap = [k for k in gaining if ns_programs(options[k]) <= ns_programs(plan)]
   if len(cheap) > 1:
     gaining = cheap
