@@ -28,8 +28,8 @@ with the longest stage's chunk, and one stage more each way (``_moved`` in
 
 S and the cut come from the cost model (``costs.pipelined_seconds``): among the
 cuts that compile no more NS programs than one stage (``ns_programs``), if one
-of them gains, else among all, the fewest stages within 2% of the shortest
-modelled time; one stage where the model cannot overlap collectives
+of them gains and no cut with more programs is 10% faster, else among all, the
+fewest stages within 2% of the shortest modelled time; one stage where the model cannot overlap collectives
 (``CostModel.overlap``; XLA:CPU) or where padding, the loop's extra transfers
 or a stage's collective latency cost more than overlap hides.
 """
@@ -60,6 +60,10 @@ MAX_STAGES = 8
 MIN_GAIN = 0.01
 #: The fewest stages whose modelled time is within this share of the shortest.
 NEAR_BEST = 0.02
+#: Cuts that compile more NS programs than one stage are taken only if they
+#: shorten the modelled time by more than this share of the best cut that
+#: does not (each program compiles its own NS code).
+MORE_PROGRAMS_GAIN = 0.10
 
 
 def _slice(items: tuple[int, ...], stages: int, stage: int) -> tuple[int, ...]:
@@ -343,7 +347,9 @@ def choose_stages(
       k for k in options if k[0] == 1 or seconds[k] < base * (1 - MIN_GAIN)
   ]
   cheap = [k for k in gaining if ns_programs(options[k]) <= ns_programs(plan)]
-  if len(cheap) > 1:
+  if len(cheap) > 1 and min(seconds[k] for k in gaining) >= min(
+      seconds[k] for k in cheap
+  ) * (1 - MORE_PROGRAMS_GAIN):
     gaining = cheap
   best = min(seconds[k] for k in gaining)
   chosen = min(
