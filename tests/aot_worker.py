@@ -147,7 +147,23 @@ def main() -> None:
   }
   if PLATFORM == "cuda":
     out["two_hosts"] = _staged_across_hosts()
+  else:
+    out["two_slices"] = _two_slices_profile()
   print("RESULT " + json.dumps(out))
+
+
+def _two_slices_profile() -> dict:
+  """The cost profile the plan finds for two v5e slices joined over the
+  data-center network."""
+  from jax.experimental import topologies  # noqa: PLC0415
+
+  from optax_muon._src.core import profiles  # noqa: PLC0415
+
+  topo = topologies.get_topology_desc(
+      platform="tpu", topology_name="v5e:2x2", num_slices=2
+  )
+  profile = profiles.profile_of(topo.devices)
+  return {"name": profile.name, "bytes_per_second": profile.bytes_per_second}
 
 
 def _staged_across_hosts() -> dict:

@@ -557,8 +557,8 @@ def _run_exchange(
     stages: tuple[Exchange, ...],
     out: list,
 ) -> None:
-  """Orthogonalizes the matrices of an exchange (in ``stages``, one all-to-all
-  each way per stage); fills ``out``."""
+  """Orthogonalizes the matrices of an exchange (in one stage, or in a loop of
+  ``stages``: ``_run_stages``); fills ``out``."""
   ex = stages[0]
   # 1. Each bucket's local matrices, one piece each: (K, L).
   stacks = [
