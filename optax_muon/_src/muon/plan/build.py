@@ -135,28 +135,18 @@ def build_plan(
   )
   if model is None:
     return plan_with(exchanges, {})
-  forced = options.exchange_stages
-
-  def staged(exchanges, splits, stages=None):
-    """The plan of these teams, its exchanges in ``stages`` (None: those that
-    suit it)."""
-    return choose_stages(
-        plan_with(exchanges, splits),
-        model,
-        stages,
-        lambda bundle: plan_with(exchanges, splits, bundle=bundle),
-    )
-
-  # The model picks teams among plans in the stages that suit each; forced
-  # stages cut the plan that one stage would have.
-  search = staged if forced is None else plan_with
-  plan, layout = choose_teams(
-      search(exchanges, {}),
-      search,
+  plan, (exchanges, splits) = choose_teams(
+      plan_with(exchanges, {}),
+      plan_with,
       groups,
       exchanges,
       placements,
       team_cost,
       model,
   )
-  return plan if forced is None else staged(*layout, stages=forced)
+  return choose_stages(
+      plan,
+      model,
+      options.exchange_stages,
+      lambda bundle: plan_with(exchanges, splits, bundle=bundle),
+  )

@@ -29,9 +29,10 @@ with the longest stage's chunk, and one stage more each way (``_moved`` in
 S and the cut come from the cost model (``costs.pipelined_seconds``): among the
 cuts that compile no more NS programs than one stage (``ns_programs``), if one
 of them gains and no cut with more programs is 10% faster, else among all, the
-fewest stages within 2% of the shortest modelled time; one stage where the model cannot overlap collectives
-(``CostModel.overlap``; XLA:CPU) or where padding, the loop's extra transfers
-or a stage's collective latency cost more than overlap hides.
+fewest stages within 2% of the shortest modelled time; one stage where the
+model cannot overlap collectives (``CostModel.overlap``; XLA:CPU) or where
+padding, the loop's extra transfers or a stage's collective latency cost more
+than overlap hides.
 """
 
 from __future__ import annotations

@@ -373,8 +373,7 @@ def choose_teams(
   Args:
     whole: the whole-matrix plan.
     plan_with: the plan of given exchanges and their ``TeamSplit`` (by index),
-      ``plan_with(exchanges, splits)`` (its exchanges, with the model choosing,
-      in the stages that suit it: ``plan.stages``).
+      ``plan_with(exchanges, splits)``.
     groups: the groups.
     exchanges: the buckets of every exchange.
     placements: the leaves.
