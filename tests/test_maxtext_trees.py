@@ -3,6 +3,7 @@ MaxText itself by ``tests/trees/record_maxtext.py``), read by ``muon``'s
 default routing leaf by leaf as MaxText's own Muon dimension numbers
 (``muon_utils.get_muon_weight_dimension_numbers``) read them."""
 
+import functools
 import json
 import math
 import re
@@ -235,9 +236,14 @@ def test_logical_names_give_maxtexts_matrices(name):
 
 def _values(shape: list[int], seed: int) -> jax.Array:
   """Values that depend on the shape alone: leaves of one shape and one matrix
-  get the same update from optax.contrib.muon."""
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), hash(tuple(shape)) % 2**31)
-  return normal(key, tuple(shape), jnp.float32)
+  get the same update from optax.contrib.muon (one array per shape, shared)."""
+  return _values_of(tuple(shape), seed)
+
+
+@functools.cache
+def _values_of(shape: tuple[int, ...], seed: int) -> jax.Array:
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), hash(shape) % 2**31)
+  return normal(key, shape, jnp.float32)
 
 
 @pytest.mark.slow
@@ -275,7 +281,7 @@ def test_update_equals_optax_contrib_with_maxtexts_numbers():
       0.02, **CONTRIB_NS, muon_weight_dimension_numbers=contrib_dims
   )
   reference = jax.jit(theirs.update)(
-      contrib_grads, theirs.init(contrib_params), contrib_params
+      contrib_grads, jax.jit(theirs.init)(contrib_params), contrib_params
   )[0]
   ours = om.muon(0.02, **CONTRIB_NS)
   updates = jax.jit(ours.update)(grads, ours.init(params), params)[0]
