@@ -485,10 +485,12 @@ def _run_stages(
 ) -> jax.Array:
   """Steps 2–7 for every stage: out, NS, back, every piece to its place.
 
-  One stage runs in line. S stages (one program, ``plan.stages``) run as a
-  loop whose iteration s orthogonalizes stage s while stage s + 1 moves out and
-  stage s − 1 comes back: none depends on another, so a scheduler with
-  asynchronous collectives overlaps them, and the NS code is compiled once.
+  One stage runs in line. S stages (``plan.stages``) run as a loop whose
+  iteration s orthogonalizes stage s while stage s + 1 moves out and stage s − 1
+  comes back: none depends on another, so a scheduler with asynchronous
+  collectives overlaps them. Each worker looks its stage's program up among the
+  stages' distinct ones (switch branches), so each one's NS code is compiled
+  once.
   Each stage's results overwrite its own pieces in ``units``, which no later
   stage reads.
 
@@ -537,9 +539,9 @@ def _run_stages(
     # one collective in flight beside the NS.
     outgoing = _outgoing(units, sources[jnp.minimum(s + 1, count - 1)], group)
     both = _exchange(jnp.concatenate([outgoing, previous], axis=1), group)
-    chunk = outgoing.shape[1]
-    units = place(units, s, _returned(both[:, chunk:], group, unit))
-    return both[:, :chunk], reply, units
+    width = outgoing.shape[1]
+    units = place(units, s, _returned(both[:, width:], group, unit))
+    return both[:, :width], reply, units
 
   first = _exchange(_outgoing(units, sources[0], group), group)
   _, last, units = jax.lax.fori_loop(

@@ -48,6 +48,7 @@ the group, each with the buckets' matrices of its kinds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -80,12 +81,12 @@ class LeafPlacement:
   replica_axes: tuple[str, ...]
   flops: int
 
-  @property
+  @functools.cached_property
   def matrix_dims(self) -> tuple[int, ...]:
     """The leaf's reduction and output dimensions, in leaf order."""
     return tuple(sorted(self.layout.reduction_axes + self.layout.output_axes))
 
-  @property
+  @functools.cached_property
   def dim_axes(self) -> tuple[tuple[str, ...], ...]:
     """Per leaf dimension, the mesh axes splitting it (none without a
     sharding)."""
@@ -93,22 +94,22 @@ class LeafPlacement:
       return ((),) * len(self.layout.shape)
     return self.sharding.dim_axes
 
-  @property
+  @functools.cached_property
   def local_shape(self) -> tuple[int, ...]:
     if self.sharding is None:
       return self.layout.shape
     return self.sharding.local_shape(self.layout.shape)
 
-  @property
+  @functools.cached_property
   def local_batch(self) -> int:
     return math.prod(self.local_shape[d] for d in self.layout.batch_axes)
 
-  @property
+  @functools.cached_property
   def piece_shape(self) -> tuple[int, ...]:
     """One local matrix's block, in leaf order of the matrix dimensions."""
     return tuple(self.local_shape[d] for d in self.matrix_dims)
 
-  @property
+  @functools.cached_property
   def signature(self) -> tuple:
     """Leaves with equal signatures cut their matrices into pieces the same
     way."""
@@ -120,13 +121,13 @@ class LeafPlacement:
         self.layout.transposed,
     )
 
-  @property
+  @functools.cached_property
   def reduction_positions(self) -> tuple[int, ...]:
     """Where the reduction axes (in the layout's order) sit among
     ``matrix_dims``."""
     return tuple(self.matrix_dims.index(d) for d in self.layout.reduction_axes)
 
-  @property
+  @functools.cached_property
   def output_positions(self) -> tuple[int, ...]:
     return tuple(self.matrix_dims.index(d) for d in self.layout.output_axes)
 
