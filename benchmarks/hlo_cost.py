@@ -253,32 +253,47 @@ def _trip_count(line: str, computations: dict[str, list[str]]) -> int:
   return int(bound.group(1)) if bound and "direction=LT" in body else 1
 
 
-def _multiplicity(text: str, computations: dict[str, list[str]]) -> dict:
-  """How many times each computation runs per call of the program: the product
-  of the trip counts of the loops around it."""
+def _walk(text: str, computations: dict[str, list[str]], on_conditional=None):
+  """How many times each computation runs per call of the program (the product
+  of the trip counts of the loops around it), and whether a loop is around it.
+
+  ``on_conditional(line, times)`` is called for each conditional outside any
+  other conditional's branches.
+
+  Returns:
+    (multiplicity, in_loop), dicts by computation name.
+  """
   entry = next(
       _COMPUTATION.match(l).group(1)
       for l in text.splitlines()
       if l.startswith("ENTRY")
   )
-  times: dict[str, int] = defaultdict(int)
+  multiplicity: dict[str, int] = defaultdict(int)
+  in_loop: dict[str, bool] = defaultdict(bool)
 
-  def visit(name: str, count: int) -> None:
-    times[name] += count
+  def visit(name: str, times: int, looped: bool, top: bool) -> None:
+    multiplicity[name] += times
+    in_loop[name] = in_loop[name] or looped
     for line in computations.get(name, []):
       inst = _INSTRUCTION.match(line)
       if not inst:
         continue
       if inst.group(3) == "while":
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-        visit(body, count * _trip_count(line, computations))
+        visit(body, times * _trip_count(line, computations), True, top)
         continue
-      for callee in _CALLEE.findall(line) + _branches(line):
+      if inst.group(3) == "conditional":
+        if top and on_conditional is not None:
+          on_conditional(line, times)
+        for b in _branches(line):
+          visit(b, times, looped, False)
+        continue
+      for callee in _CALLEE.findall(line):
         if callee in computations:
-          visit(callee, count)
+          visit(callee, times, looped, top)
 
-  visit(entry, 1)
-  return times
+  visit(entry, 1, False, True)
+  return multiplicity, in_loop
 
 
 def analyze(compiled, device_count: int) -> HloCost:
@@ -298,37 +313,8 @@ def analyze(compiled, device_count: int) -> HloCost:
       for l in text.splitlines()
       if l.startswith("ENTRY")
   )
-
-  # Multiplicity of each computation: product of trip counts of the loops that
-  # reach it.
-  multiplicity: dict[str, int] = defaultdict(int)
-  in_loop: dict[str, bool] = defaultdict(bool)
-  conditionals: list[Conditional] = []
-
   trip_count = lambda line: _trip_count(line, computations)
-
-  def visit(name: str, times: int, looped: bool, top: bool) -> None:
-    multiplicity[name] += times
-    in_loop[name] = in_loop[name] or looped
-    for line in computations.get(name, []):
-      inst = _INSTRUCTION.match(line)
-      if not inst:
-        continue
-      if inst.group(3) == "while":
-        body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-        visit(body, times * trip_count(line), True, top)
-        continue
-      if inst.group(3) == "conditional":
-        names = _branches(line)
-        flops = tuple(dot_flops(b) for b in names)
-        if top and any(flops):
-          conditionals.append(Conditional(flops, times))
-        for b in names:
-          visit(b, times, looped, False)
-        continue
-      for callee in _CALLEE.findall(line):
-        if callee in computations:
-          visit(callee, times, looped, top)
+  conditionals: list[Conditional] = []
 
   memo: dict[str, int] = {}
 
@@ -369,7 +355,12 @@ def analyze(compiled, device_count: int) -> HloCost:
     memo[name] = total
     return total
 
-  visit(entry, 1, False, True)
+  def conditional(line: str, times: int) -> None:
+    flops = tuple(dot_flops(b) for b in _branches(line))
+    if any(flops):
+      conditionals.append(Conditional(flops, times))
+
+  multiplicity, in_loop = _walk(text, computations, conditional)
 
   collectives = []
   for name, lines in computations.items():
@@ -488,7 +479,7 @@ def overlapped_bytes(compiled, kind: str = "all-to-all") -> tuple[float, float]:
   """
   text = compiled.as_text()
   computations = _computations(text)
-  multiplicity = _multiplicity(text, computations)
+  multiplicity, _ = _walk(text, computations)
   has_product: dict[str, bool] = {}
 
   def products(name: str) -> bool:

@@ -96,8 +96,9 @@ def tree(
   return leaves, ((expert, devices // expert), ("expert", "fsdp"))
 
 
-def plans(leaves, mesh_shape, ns, models):
-  """The whole-matrix plan and the plan under each of ``models``."""
+def _planner(leaves, mesh_shape, ns):
+  """``build_plan`` of the tree's leaves (layouts, shardings, NS costs given),
+  ``planner(options=None)``: the whole-matrix plan without options."""
   mesh = jax.sharding.AbstractMesh(*mesh_shape)
   layouts, shardings = [], []
   for name, (shape, spec, dims) in leaves.items():
@@ -106,16 +107,20 @@ def plans(leaves, mesh_shape, ns, models):
     shardings.append(LeafSharding(mesh, dim_axes_of(spec, len(shape))))
   cost = lambda m, n, dtype: costs.matrix_flops(ns, m, n, dtype, STEPS)
   team_cost = lambda m, n, dtype, k: costs.team_cost(ns, m, n, dtype, k, STEPS)
-  whole = build_plan(layouts, shardings, cost)
-  return whole, [
-      build_plan(
-          layouts,
-          shardings,
-          cost,
-          om.ShardingOptions(cost_model=model),
-          team_cost=team_cost,
-      )
-      for model in models
+
+  def planner(options=None):
+    if options is None:
+      return build_plan(layouts, shardings, cost)
+    return build_plan(layouts, shardings, cost, options, team_cost=team_cost)
+
+  return planner
+
+
+def plans(leaves, mesh_shape, ns, models):
+  """The whole-matrix plan and the plan under each of ``models``."""
+  planner = _planner(leaves, mesh_shape, ns)
+  return planner(), [
+      planner(om.ShardingOptions(cost_model=model)) for model in models
   ]
 
 
@@ -199,22 +204,9 @@ def test_the_planner_reduces_to_what_it_replaced(case, bandwidth, latency):
 
 def staged_plans(leaves, mesh_shape, ns, model, stages):
   """The plan under ``model`` in one stage, and with ``stages``."""
-  mesh = jax.sharding.AbstractMesh(*mesh_shape)
-  layouts, shardings = [], []
-  for name, (shape, spec, dims) in leaves.items():
-    x = jax.ShapeDtypeStruct(shape, jnp.float32)
-    layouts.append(make_layout(name, x, dims))
-    shardings.append(LeafSharding(mesh, dim_axes_of(spec, len(shape))))
-  cost = lambda m, n, dtype: costs.matrix_flops(ns, m, n, dtype, STEPS)
-  team_cost = lambda m, n, dtype, k: costs.team_cost(ns, m, n, dtype, k, STEPS)
+  planner = _planner(leaves, mesh_shape, ns)
   return [
-      build_plan(
-          layouts,
-          shardings,
-          cost,
-          om.ShardingOptions(cost_model=model, exchange_stages=s),
-          team_cost=team_cost,
-      )
+      planner(om.ShardingOptions(cost_model=model, exchange_stages=s))
       for s in (1, stages)
   ]
 
