@@ -519,12 +519,13 @@ def _run_stages(
   count = len(stages)
   # Where each stage's results go; padding (and iteration 0's way back, which
   # carries no stage) past the end, dropped.
+  stacked = np.stack(tables)
   dropped = np.full_like(tables[0], size + 1)
-  places = np.where(np.stack(tables) < size, np.stack(tables), size + 1)
+  places = np.where(stacked < size, stacked, size + 1)
   covered = np.zeros(size + 2, np.int64)
   np.add.at(covered, places.reshape(-1), 1)
   assert (covered[:size] == 1).all(), "each piece in exactly one stage"
-  sources = jnp.asarray(np.stack(tables))
+  sources = jnp.asarray(stacked)
   targets = jnp.asarray(
       np.concatenate([dropped[None], places]).reshape(count + 1, -1)
   )

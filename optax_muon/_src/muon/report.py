@@ -71,7 +71,7 @@ def _placement(plan: Plan, index: int, team_run) -> str:
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
   staged = ""
   if len(stages) > 1:
-    # Slots of the stages' one program that hold no matrix (zeros run NS).
+    # Slots of equal stages' programs that hold no matrix (zeros run NS).
     padded = sum(
         ex.owned[w][k].count(PAD) for ex in stages for w in range(len(ex.owned))
     )

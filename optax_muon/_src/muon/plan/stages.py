@@ -251,10 +251,16 @@ def _most(ex: Exchange) -> int:
   )
 
 
+def _moves(group: Group) -> bool:
+  """Whether the group's exchanges move anything: an all-to-all between
+  workers."""
+  return group.workers > 1 and group.exchange_size > 1
+
+
 def _splittable(group: Group, ex: Exchange) -> bool:
   """Whether stages can overlap anything: an all-to-all, and a worker with two
   matrices."""
-  return group.workers > 1 and group.exchange_size > 1 and _most(ex) >= 2
+  return _moves(group) and _most(ex) >= 2
 
 
 def _in_stages(plan: Plan, stages: int, equal: bool, model: CostModel) -> Plan:
@@ -325,7 +331,7 @@ def choose_stages(
       " its matrices, so none can move while another is orthogonalized."
       for group in plan.groups
       for ex in group.exchanges
-      if group.workers > 1 and group.exchange_size > 1 and _most(ex) < 2
+      if _moves(group) and _most(ex) < 2
   ]
   if stages == 1 or (stages is not None and not split):
     return plan
@@ -347,7 +353,8 @@ def choose_stages(
   gaining = [
       k for k in options if k[0] == 1 or seconds[k] < base * (1 - MIN_GAIN)
   ]
-  cheap = [k for k in gaining if ns_programs(options[k]) <= ns_programs(plan)]
+  programs = ns_programs(plan)
+  cheap = [k for k in gaining if ns_programs(options[k]) <= programs]
   if len(cheap) > 1 and min(seconds[k] for k in gaining) >= min(
       seconds[k] for k in cheap
   ) * (1 - MORE_PROGRAMS_GAIN):

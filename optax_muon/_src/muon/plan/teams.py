@@ -412,8 +412,8 @@ def choose_teams(
           sizes,
       )
   whole_seconds = whole.critical_seconds(model)
-  best = (whole, (exchanges, {}))
-  best_seconds = whole_seconds
+  unsplit = (whole, (exchanges, {}))
+  best, best_seconds = unsplit, whole_seconds
   for bound, _, sizes in sorted(candidates.values(), key=lambda c: c[:2]):
     if bound >= best_seconds:
       break
@@ -422,6 +422,4 @@ def choose_teams(
     seconds = plan.critical_seconds(model)
     if seconds < best_seconds:
       best, best_seconds = (plan, layout), seconds
-  if best_seconds < whole_seconds * (1 - SPLIT_MARGIN):
-    return best
-  return whole, (exchanges, {})
+  return best if best_seconds < whole_seconds * (1 - SPLIT_MARGIN) else unsplit
