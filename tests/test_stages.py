@@ -18,7 +18,7 @@ import optax_muon as om
 from optax_muon._src.core.profiles import PROFILES
 from hlo_cost import compiled_device_flops
 from optax_muon._src.muon import costs
-from optax_muon._src.muon.plan.model import PAD
+from optax_muon._src.muon.plan.model import PAD, in_line, stage_chunks
 from sharded_cases import (
     CASES,
     STANDARD,
@@ -51,18 +51,42 @@ def test_pipelined_seconds():
       costs.pipelined_seconds([1.0, 1.0], [3.0, 3.0], [3.0, 3.0])
       == 3 + (3 + 3) + (3 + 3) + 3
   )
+  # In line, nothing moves that the step does not need.
+  assert (
+      costs.pipelined_seconds([1.0, 1.0], [3.0, 3.0], [3.0, 3.0], looped=False)
+      == 3 + 3 + 3 + 3
+  )
+  assert (
+      costs.pipelined_seconds(
+          [0.5, 9.0, 0.5], [1.0, 4.0, 1.0], [1.0, 4.0, 1.0], looped=False
+      )
+      == 1 + 4 + max(9.0, 1 + 1) + 4 + 1
+  )
+  # Arrays: one pipeline per element.
+  np.testing.assert_allclose(
+      costs.pipelined_seconds(
+          [np.array([1.0, 5.0])] * 2,
+          [np.array([3.0, 1.0])] * 2,
+          [np.array([3.0, 1.0])] * 2,
+          looped=False,
+      ),
+      [12.0, 12.0],
+  )
 
 
 @pytest.mark.parametrize(
-    "case, stages",
+    "case, stages, looped",
     [
-        pytest.param("fsdp8-3-layers", 2, marks=pytest.mark.slow),
-        pytest.param("fsdp8-3-layers", 3, marks=pytest.mark.slow),
-        ("dp2xfsdp4-split", 2),
-        pytest.param("fsdp4xtp2-3-layers", 2, marks=pytest.mark.slow),
+        pytest.param("fsdp8-3-layers", 2, False, marks=pytest.mark.slow),
+        ("fsdp8-3-layers", 3, True),
+        ("dp2xfsdp4-split", 2, False),
+        pytest.param("fsdp4xtp2-3-layers", 2, False, marks=pytest.mark.slow),
     ],
 )
-def test_staged_exchange_equals_single_device(case, stages, case_reference):
+def test_staged_exchange_equals_single_device(
+    case, stages, looped, case_reference
+):
+  """Stages by kind run in line (``looped`` False), the others as a loop."""
   shape, names, kind, specs_fn, policy = CASES[case]
   params, dims = case_tree(kind)
   grads = case_grads(params)
@@ -94,7 +118,8 @@ def test_staged_exchange_equals_single_device(case, stages, case_reference):
 
   plan, whole = om.summarize(sharded, tx).plan, om.summarize(sharded, one).plan
   assert max(_stage_counts(plan)) == stages and max(_stage_counts(whole)) == 1
-  _assert_looped(plan, whole, compiled)
+  assert [in_line(s) for g in plan.groups for s in g.stages()] == [not looped]
+  _assert_staged(plan, whole, compiled)
 
 
 def _padded_flops(plan):
@@ -116,12 +141,13 @@ def _padded_flops(plan):
   return total
 
 
-def _assert_looped(plan, whole, compiled):
-  """The stages run by one loop: the NS FLOPs over all devices those of one
-  stage plus the empty slots', each device's all in the HLO (its branch of
-  each stage); one all-to-all out before the loop, one both ways in it, one
-  back after it; the received bytes the plan's (S + 1 stages of the longest
-  chunk)."""
+def _assert_staged(plan, whole, compiled):
+  """The NS FLOPs over all devices those of one stage plus the empty slots',
+  each device's all in the HLO (its branch of each stage); a loop's stages with
+  one all-to-all out before the loop, one both ways in it, one back after it;
+  stages in line with one out first, one per stage (the next stage out, the
+  previous back) and the last one back; the received bytes the plan's (a
+  loop: S + 1 stages of the longest chunk; in line: each stage's own)."""
   assert plan.device_ns_flops().sum() == whole.device_ns_flops().sum() + (
       _padded_flops(plan)
   )
@@ -129,11 +155,12 @@ def _assert_looped(plan, whole, compiled):
   np.testing.assert_array_equal(
       compiled_device_flops(cost, plan), plan.device_ns_flops()
   )
-  looped = sum(s > 1 for s in _stage_counts(plan))
-  assert (
-      len(re.findall(r" all-to-all\(", compiled.as_text()))
-      == 2 * len(_stage_counts(plan)) + looped
+  expected = sum(
+      len(stages) + 2 if in_line(stages) else 2 + (len(stages) > 1)
+      for g in plan.groups
+      for stages in g.stages()
   )
+  assert len(re.findall(r" all-to-all\(", compiled.as_text())) == expected
   # The exchange's bytes (the teams' own collectives run inside NS).
   teams = any(ex.teams for g in plan.groups for ex in g.exchanges)
   exchanged = sum(
@@ -144,10 +171,16 @@ def _assert_looped(plan, whole, compiled):
   assert exchanged == plan.device_received_bytes().max()
 
 
-def _seven_b(model, stages=None):
-  """A Llama-7B-like tree of abstract leaves, FSDP over 8 CPU devices, and its
-  plan."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+def _seven_b(model, stages=None, devices=8):
+  """A Llama-7B-like tree of abstract leaves, FSDP over ``devices`` (8 CPU
+  devices, or an abstract mesh of more), and its plan."""
+  mesh = (
+      jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+      if devices == 8
+      else jax.sharding.AbstractMesh(
+          (devices,), ("fsdp",), axis_types=(AxisType.Auto,)
+      )
+  )
   params, dims, _, shardings = aot.llama_tree(mesh, **aot.TREES["7b"])
   tx = om.muon(
       0.02,
@@ -188,30 +221,69 @@ def test_the_cost_model_chooses_the_stages():
       staged.device_ns_flops(), whole.device_ns_flops()
   )
   model = staged.cost_model
+  ((group, stages),) = [(g, s) for g in staged.groups for s in g.stages()]
   ns, out, back = zip(
       *(
-          g.stage_seconds(ex, staged.wire_itemsize(ex), model)
-          for g in staged.groups
-          for ex in g.exchanges
+          group.stage_seconds(ex, staged.wire_itemsize(ex), model, chunk)
+          for ex, chunk in zip(stages, stage_chunks(stages, 8))
       )
   )
   assert staged.critical_seconds() == pytest.approx(
-      costs.pipelined_seconds(ns, out, back)
+      costs.pipelined_seconds(ns, out, back, looped=not in_line(stages))
   )
 
 
-def test_exchanges_with_teams_in_stages_equal_single_device():
-  """Free communication makes teams; forced into stages, each team's matrices
-  are cut like each owner's: the update equals the single-device one, the same
-  FLOPs per device as in one stage (all in the HLO), one all-to-all each way
-  per stage, the received bytes the plan's."""
-  dims = {
-      "w": om.MuonDimensionNumbers(1, 2),
-      "v": om.MuonDimensionNumbers(1, 2),
-  }
+def test_a_pods_teams_stage_by_kind():
+  """On 256 TPU v5p chips the 7B-like tree's 4096×11008 matrices go to teams of
+  2, the others whole to single owners: no worker holds more than two, one of
+  them large, so a loop's stages would each move the largest. Cut by kind, the
+  team runs and the 4096×4096 matrices are one stage and the 1024×4096 ones the
+  other, in line: no program in two stages, each stage moves its own chunk
+  (the bytes of one stage, within the chunks' rounding), and the modelled time
+  is shorter than one stage's."""
+  v5p = PROFILES["tpu_v5p"]
+  staged, whole = _seven_b(v5p, devices=256), _seven_b(v5p, 1, devices=256)
+  ((group, stages),) = [(g, s) for g in staged.groups for s in g.stages()]
+  assert len(stages) == 2 and in_line(stages)
+  assert stages[0].team_size == 2
+  kinds = [
+      {("team", r.bucket) for runs in ex.teams for r in runs}
+      | {("whole", b) for o in ex.owned for b, mine in enumerate(o) if mine}
+      for ex in stages
+  ]
+  shapes = lambda kind: stages[0].buckets[kind[1]].shape
+  assert sorted((k[0], shapes(k)) for k in kinds[0]) == [
+      ("team", (4096, 11008)),
+      ("whole", (4096, 4096)),
+  ]
+  assert [shapes(k) for k in kinds[1]] == [(1024, 4096)]
+  assert staged.critical_seconds() < whole.critical_seconds()
+  np.testing.assert_array_equal(
+      staged.device_ns_flops(), whole.device_ns_flops()
+  )
+  chunks = [ex.chunk(256) for ex in stages]
+  assert staged.device_received_bytes().max() == 2 * 255 * 4 * sum(chunks)
+  (one,) = whole.groups[0].exchanges
+  assert one.chunk(256) <= sum(chunks) <= 1.05 * one.chunk(256)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_exchanges_with_teams_in_stages_equal_single_device(looped):
+  """Free communication makes teams; forced into stages, each kind (a bucket's
+  team runs) has its stage (in line), or each team's run of one kind is cut
+  like an owner's (3 stages of one program: a loop): the update equals the
+  single-device one, the same FLOPs per device as in one stage (all in the
+  HLO), the all-to-alls and received bytes the plan's."""
+  shapes = (
+      {"w": (6, 256, 256)}
+      if looped
+      else {"w": (4, 256, 256), "v": (4, 256, 512)}
+  )
+  stages = 3 if looped else 2
+  dims = {name: om.MuonDimensionNumbers(1, 2) for name in shapes}
   params = {
-      "w": jax.random.normal(jax.random.PRNGKey(0), (4, 256, 256)),
-      "v": jax.random.normal(jax.random.PRNGKey(1), (4, 256, 512)),
+      name: jax.random.normal(jax.random.PRNGKey(i), shape)
+      for i, (name, shape) in enumerate(shapes.items())
   }
   grads = [jax.tree.map(lambda x, i=i: jnp.cos(x + i), params) for i in (1, 2)]
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
@@ -225,7 +297,9 @@ def test_exchanges_with_teams_in_stages_equal_single_device():
   for g in grads:
     reference, state = jax.jit(single.update)(g, state, params)
   tx = om.muon(
-      0.1, **kw, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=2)
+      0.1,
+      **kw,
+      sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=stages),
   )
   one = om.muon(
       0.1, **kw, sharding=om.ShardingOptions(cost_model=FREE, exchange_stages=1)
@@ -237,8 +311,18 @@ def test_exchanges_with_teams_in_stages_equal_single_device():
   compare(updates, reference)
   plan, whole = om.summarize(sharded, tx).plan, om.summarize(sharded, one).plan
   assert any(ex.teams for g in plan.groups for ex in g.exchanges)
-  assert max(_stage_counts(plan)) == 2 and max(_stage_counts(whole)) == 1
-  _assert_looped(plan, whole, compiled)
+  assert max(_stage_counts(plan)) == stages
+  assert max(_stage_counts(whole)) == 1
+  assert [in_line(s) for g in plan.groups for s in g.stages()] == [not looped]
+  _assert_staged(plan, whole, compiled)
+  words = sorted(
+      r.placement.rsplit(", ", 1)[1] for r in om.summarize(sharded, tx).rows
+  )
+  assert words == (
+      ["exchanged in 3 stages"]
+      if looped
+      else ["exchanged in stage 1 of 2", "exchanged in stage 2 of 2"]
+  )
 
 
 @pytest.mark.parametrize("stages", [0, -1, True, 1.5, "2"])

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_muon._src.core.matrices import ns_orientation
 from optax_muon._src.core.profiles import CostModel
@@ -264,23 +265,29 @@ class TeamCost:
 
 
 def pipelined_seconds(
-    ns: list[float], out: list[float], back: list[float]
+    ns: list[float], out: list[float], back: list[float], looped: bool = True
 ) -> float:
-  """Modelled time of an exchange in stages, as the executor's loop runs it:
-  stage 0 moves out first; then iteration s orthogonalizes stage s while stage
-  s + 1 moves out and stage s − 1 comes back (the first iteration's way back and
-  the last one's way out move a stage's chunk that nothing needs); the last
-  stage comes back after the loop. One stage: out, NS, back in turn.
+  """Modelled time of an exchange in stages: stage 0 moves out first; then
+  stage s is orthogonalized while stage s + 1 moves out and stage s − 1 comes
+  back; the last stage comes back at the end. In the executor's loop
+  (``looped``) the first iteration's way back and the last one's way out move a
+  stage's chunk that nothing needs; in line they move nothing. One stage: out,
+  NS, back in turn. Each figure may be an array (one pipeline per element).
 
   Args:
     ns: per stage, the busiest worker's NS time.
     out: per stage, the all-to-all to the owners.
     back: per stage, the all-to-all back (and the replicas' all-gather).
+    looped: whether the stages run as the executor's loop.
   """
   if len(ns) == 1:
     return out[0] + ns[0] + back[0]
   last = len(ns) - 1
   total = out[0] + back[-1]
   for s, compute in enumerate(ns):
-    total += max(compute, out[min(s + 1, last)] + back[max(s - 1, 0)])
+    if looped:
+      moving = out[min(s + 1, last)] + back[max(s - 1, 0)]
+    else:
+      moving = (out[s + 1] if s < last else 0.0) + (back[s - 1] if s else 0.0)
+    total = total + np.maximum(compute, moving)
   return total

@@ -28,6 +28,8 @@ from optax_muon._src.muon.plan.model import (
     Plan,
     Program,
     TeamProgram,
+    in_line,
+    stage_chunks,
     stage_programs,
 )
 from optax_muon._src.muon.spec import MuonTreeSpec
@@ -476,6 +478,44 @@ def _returned(reply: jax.Array, group: Group, unit: int) -> jax.Array:
   return reply.reshape(-1, unit)
 
 
+def _in_line(
+    units: jax.Array,
+    plan: Plan,
+    ns: NSFunction,
+    group: Group,
+    stages: tuple[Exchange, ...],
+    tables: list[np.ndarray],
+) -> jax.Array:
+  """Steps 2–6 of stages that run in line (one stage, or stages with no program
+  in common: ``plan.model.in_line``), each with its own chunk and its own
+  switch: stage s is orthogonalized while one all-to-all carries stage s + 1
+  out and stage s − 1 back.
+
+  Returns:
+    The results of every stage, their rows (of ``unit``) in the order of
+    ``tables``' rows.
+  """
+  unit = units.shape[1]
+  received = _exchange(_outgoing(units, tables[0], group), group)
+  results, previous = [], None
+  for s, ex in enumerate(stages):
+    reply = _orthogonalize_received(received, plan, ns, group, (ex,), 0)
+    moving = (
+        [] if s + 1 == len(stages) else [_outgoing(units, tables[s + 1], group)]
+    )
+    width = moving[0].shape[1] if moving else 0
+    if previous is not None:
+      moving.append(previous)
+    if moving:
+      both = _exchange(jnp.concatenate(moving, axis=1), group)
+      received = both[:, :width]
+      if previous is not None:
+        results.append(_returned(both[:, width:], group, unit))
+    previous = reply
+  results.append(_returned(_exchange(previous, group), group, unit))
+  return jnp.concatenate(results) if len(results) > 1 else results[0]
+
+
 def _run_stages(
     units: jax.Array,
     plan: Plan,
@@ -485,7 +525,8 @@ def _run_stages(
 ) -> jax.Array:
   """Steps 2–7 for every stage: out, NS, back, every piece to its place.
 
-  One stage runs in line. S stages (``plan.stages``) run as a loop whose
+  One stage runs in line, and so do stages with no program in common
+  (``_in_line``). Other stages (``plan.stages``) run as a loop whose
   iteration s orthogonalizes stage s while stage s + 1 moves out and stage s − 1
   comes back: none depends on another, so a scheduler with asynchronous
   collectives overlaps them. Each worker looks its stage's program up among the
@@ -503,14 +544,14 @@ def _run_stages(
   """
   g, unit = group.exchange_size, units.shape[1]
   size = units.shape[0] - 1
-  chunk = max(ex.chunk(g) for ex in stages)
-  tables = [buffer_units(ex, plan, g, unit, chunk)[0] for ex in stages]
-  if len(stages) == 1:
-    received = _exchange(_outgoing(units, tables[0], group), group)
-    reply = _orthogonalize_received(received, plan, ns, group, stages, 0)
-    results = _returned(_exchange(reply, group), group, unit)
+  tables = [
+      buffer_units(ex, plan, g, unit, chunk)[0]
+      for ex, chunk in zip(stages, stage_chunks(stages, g))
+  ]
+  if len(stages) == 1 or in_line(stages):
+    results = _in_line(units, plan, ns, group, stages, tables)
     # 7. The inverse of step 2's gathers.
-    index = tables[0].reshape(-1)
+    index = np.concatenate([t.reshape(-1) for t in tables])
     inverse = np.full(size, -1, np.int64)
     valid = index < size
     inverse[index[valid]] = np.flatnonzero(valid)

@@ -60,7 +60,7 @@ def _placement(plan: Plan, index: int, team_run) -> str:
     return head + (
         f"split over teams of {ex.team_size} ({len(ex.teams)} teams among "
         f"{group.workers} workers; {'Gram' if run.cost.gram else 'standard'} "
-        "iteration, every product split)"
+        f"iteration, every product split){_stage_words(stages, k, True)}"
     )
   counts = sorted(
       {
@@ -69,16 +69,42 @@ def _placement(plan: Plan, index: int, team_run) -> str:
       }
   )
   spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
-  staged = ""
-  if len(stages) > 1:
-    # Slots of equal stages' programs that hold no matrix (zeros run NS).
+  return (
+      head
+      + f"{spread} whole per worker of {group.workers}"
+      + _stage_words(stages, k, False)
+  )
+
+
+def _stage_words(stages: tuple, k: int, team: bool) -> str:
+  """Which of the exchange's stages carry bucket ``k``'s whole matrices (or,
+  ``team``, its team runs), in words; empty for one stage."""
+  if len(stages) == 1:
+    return ""
+  if team:
+    carrying = [
+        s
+        for s, ex in enumerate(stages)
+        if any(r.bucket == k for runs in ex.teams for r in runs)
+    ]
     padded = sum(
-        ex.owned[w][k].count(PAD) for ex in stages for w in range(len(ex.owned))
+        r.matrices.count(PAD)
+        for ex in stages
+        for runs in ex.teams
+        for r in runs
+        if r.bucket == k
     )
-    staged = f", exchanged in {len(stages)} stages" + (
-        f" ({plural(padded, 'padded slot', 'padded slots')})" if padded else ""
-    )
-  return head + f"{spread} whole per worker of {group.workers}{staged}"
+  else:
+    carrying = [s for s, ex in enumerate(stages) if any(o[k] for o in ex.owned)]
+    # Slots of equal stages' programs that hold no matrix (zeros run NS).
+    padded = sum(o[k].count(PAD) for ex in stages for o in ex.owned)
+  if len(carrying) == 1:
+    where = f"in stage {carrying[0] + 1} of {len(stages)}"
+  else:
+    where = f"in {len(stages)} stages"
+  return f", exchanged {where}" + (
+      f" ({plural(padded, 'padded slot', 'padded slots')})" if padded else ""
+  )
 
 
 class TeamPlacement(NamedTuple):

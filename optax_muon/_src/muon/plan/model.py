@@ -449,15 +449,24 @@ class Group:
         ex.worker_flops() / model.flops_per_second
         + ex.worker_team_collective_seconds(model)
     ).max()
+    out, back = self.transfer_seconds(
+        itemsize * (chunk or ex.chunk(self.exchange_size)), model
+    )
+    return float(compute), out, back
+
+  def transfer_seconds(
+      self, chunk_bytes: float, model: CostModel
+  ) -> tuple[float, float]:
+    """The all-to-all out and the way back (with the replicas' all-gather) of a
+    stage that sends each peer ``chunk_bytes``."""
     g, replicas = self.exchange_size, self.workers // self.exchange_size
-    chunk = itemsize * (chunk or ex.chunk(g))
-    one_way = model.collective_seconds((g - 1) * chunk) if g > 1 else 0.0
+    one_way = model.collective_seconds((g - 1) * chunk_bytes) if g > 1 else 0.0
     gather = (
-        model.collective_seconds((replicas - 1) * g * chunk)
+        model.collective_seconds((replicas - 1) * g * chunk_bytes)
         if self.split
         else 0.0
     )
-    return float(compute), one_way, one_way + gather
+    return one_way, one_way + gather
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -533,8 +542,9 @@ class Plan:
         continue
       worker = group.worker_of_devices(self.mesh_shape)
       for stages in group.stages():
-        chunk = max(ex.chunk(group.exchange_size) for ex in stages)
-        for ex in stages if ragged else _moved(stages):
+        chunks = stage_chunks(stages, group.exchange_size)
+        moved = stages if ragged else _moved(stages)
+        for ex, chunk in zip(moved, chunks + chunks[:1]):
           received += group.received_bytes(
               ex, self.wire_itemsize(ex), ragged, chunk
           )[worker]
@@ -576,14 +586,16 @@ class Plan:
             + ex.worker_team_collective_seconds(model)[worker]
         )
     for group, stages in staged:
-      chunk = max(ex.chunk(group.exchange_size) for ex in stages)
+      chunks = stage_chunks(stages, group.exchange_size)
       ns, out, back = zip(
           *(
               group.stage_seconds(ex, self.wire_itemsize(ex), model, chunk)
-              for ex in stages
+              for ex, chunk in zip(stages, chunks)
           )
       )
-      seconds = seconds + costs.pipelined_seconds(ns, out, back)
+      seconds = seconds + costs.pipelined_seconds(
+          ns, out, back, looped=not in_line(stages)
+      )
     return seconds
 
   def critical_seconds(self, model: CostModel | None = None) -> float:
@@ -612,23 +624,32 @@ class Plan:
     for group in self.groups:
       worker = group.worker_of_devices(self.mesh_shape)
       for stages in group.stages():
-        table = stage_programs(stages, group.exchange_size)
-        if len(table.programs) > 1:
-          out.append(
-              (
-                  table.program_flops,
-                  np.moveaxis(table.program_of[:, worker], 0, -1),
-              )
-          )
-        if len(table.team_programs) > 1:
-          team = worker // stages[0].team_size
-          out.append(
-              (
-                  table.team_program_flops,
-                  np.moveaxis(table.team_program_of[:, team], 0, -1),
-              )
-          )
+        self._add_switches(out, group, worker, stages)
     return out
+
+  def _add_switches(self, out: list, group: Group, worker, stages) -> None:
+    """``switches``' entries of one exchange: one per loop, or per stage of
+    stages in line (each has its own branches)."""
+    if in_line(stages):
+      for ex in stages:
+        self._add_switches(out, group, worker, (ex,))
+      return
+    table = stage_programs(stages, group.exchange_size)
+    if len(table.programs) > 1:
+      out.append(
+          (
+              table.program_flops,
+              np.moveaxis(table.program_of[:, worker], 0, -1),
+          )
+      )
+    if len(table.team_programs) > 1:
+      team = worker // stages[0].team_size
+      out.append(
+          (
+              table.team_program_flops,
+              np.moveaxis(table.team_program_of[:, team], 0, -1),
+          )
+      )
 
 
 class StagePrograms(NamedTuple):
@@ -693,8 +714,34 @@ def stage_programs(stages: tuple[Exchange, ...], g: int) -> StagePrograms:
   )
 
 
+def in_line(stages: tuple[Exchange, ...]) -> bool:
+  """Whether an exchange's stages run in line rather than as a loop: S > 1 and
+  no program with a matrix (whole or a team's) runs in two stages, so that
+  each stage's NS code is its own and the in-line stages compile no more of it
+  than a loop; each stage then moves its own chunk, and nothing more."""
+  if len(stages) < 2:
+    return False
+  seen: set = set()
+  for ex in stages:
+    programs = {p for p in ex.programs + ex.team_programs if any(p)}
+    if seen & programs:
+      return False
+    seen |= programs
+  return True
+
+
+def stage_chunks(stages: tuple[Exchange, ...], g: int) -> list[int]:
+  """Per stage, the elements each device sends each peer: its own chunk in line,
+  the longest stage's in a loop."""
+  chunks = [ex.chunk(g) for ex in stages]
+  return chunks if in_line(stages) else [max(chunks)] * len(stages)
+
+
 def _moved(stages: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
-  """The exchanges whose chunks move: the stages, and for S > 1 one more (the
-  loop moves a stage each way on every iteration; the first iteration's way
-  back and the last one's way out carry nothing the step needs)."""
-  return stages + stages[:1] if len(stages) > 1 else stages
+  """The exchanges whose chunks move: the stages, and in a loop of S > 1 one
+  more (the loop moves a stage each way on every iteration; the first
+  iteration's way back and the last one's way out carry nothing the step
+  needs)."""
+  if len(stages) == 1 or in_line(stages):
+    return stages
+  return stages + stages[:1]

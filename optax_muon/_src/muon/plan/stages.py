@@ -7,42 +7,51 @@ stages, the all-to-alls of stage s + 1 (out) and s − 1 (back) have no data
 dependence on stage s's NS, so a scheduler with asynchronous collectives runs
 them beside it.
 
-The stages run as one loop (``executor``): each distinct program is one switch
-branch, its NS code compiled once whatever S, and each worker (and team) looks
-up its branch for the stage. Two ways to cut an exchange, both tried:
+Stages with a program in common run as one loop (``executor``): each distinct
+program is one switch branch, its NS code compiled once whatever S, and each
+worker (and team) looks up its branch for the stage; the loop moves every stage
+with the longest stage's chunk, and one stage more each way (``_moved`` in
+``model``). Stages with no program in common run in line, each with its own
+chunk and its own branches (``model.in_line``): the same NS code, and only the
+bytes the step needs. Three ways to cut an exchange, all tried:
 
 * equal stages (``split_exchange``): the owners are chosen again in bundles of
   S matrices of a kind (``owners.place_matrices``), and each worker's run of k
   matrices of one kind (and each team's) is cut into S slices of ⌈k/S⌉ in
   program order, a short bundle padded with ``PAD`` slots (zeros in, zeros out;
   their FLOPs and bytes count like a matrix's). Every stage runs one program:
-  no more NS code than one stage.
+  no more NS code than one stage; a loop.
 * by load (``split_by_load``): the owners of one stage, each one's matrices
   spread over the stages so that the busiest worker of each stage stays short;
   a worker's program differs between stages (more branches, no padding).
+* by kind (``split_by_kind``): the owners of one stage, each kind of matrix (a
+  bucket's whole matrices, or its team runs) in one stage, the assignment the
+  model pipelines best; no program in two stages, so in line. It is the cut
+  for exchanges whose workers hold one or two large matrices (teams on a pod),
+  where a loop's stages would each move the largest.
 
 Each stage is an ``Exchange`` of the same buckets; the executor takes
-consecutive ones as one exchange (``Group.stages``). The loop moves every stage
-with the longest stage's chunk, and one stage more each way (``_moved`` in
-``model``).
+consecutive ones as one exchange (``Group.stages``).
 
 S and the cut come from the cost model (``costs.pipelined_seconds``): among the
 cuts that compile no more NS programs than one stage (``ns_programs``), if one
 of them gains and no cut with more programs is 10% faster, else among all, the
 fewest stages within 2% of the shortest modelled time; one stage where the
 model cannot overlap collectives (``CostModel.overlap``; XLA:CPU) or where
-padding, the loop's extra transfers or a stage's collective latency cost more
-than overlap hides.
+padding, the loop's extra transfers, a stage's collective latency or a kind's
+stage waiting for another's cost more than overlap hides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import numpy as np
 
 from optax_muon._src.core.profiles import CostModel
+from optax_muon._src.muon import costs
 from optax_muon._src.muon.plan.exchanges import make_exchange
 from optax_muon._src.muon.plan.model import (
     PAD,
@@ -228,6 +237,146 @@ def split_by_load(
   return tuple(out)
 
 
+#: The most assignments of an exchange's kinds to S stages ``split_by_kind``
+#: weighs (S^kinds); beyond, that cut is not tried.
+MAX_ASSIGNMENTS = 4096
+
+
+def _kind_loads(
+    ex: Exchange, g: int, model: CostModel
+) -> tuple[list[tuple[str, int]], np.ndarray, np.ndarray]:
+  """The exchange's kinds (its team runs' buckets, then its whole matrices'
+  buckets) and, per (worker, kind), the modelled NS time (a team's collectives
+  included) and the elements each device sends the worker."""
+  kinds = list(
+      dict.fromkeys(("team", r.bucket) for runs in ex.teams for r in runs)
+  ) + [
+      ("whole", b)
+      for b in range(len(ex.buckets))
+      if any(owned[b] for owned in ex.owned)
+  ]
+  column = {kind: i for i, kind in enumerate(kinds)}
+  seconds = np.zeros((len(ex.owned), len(kinds)))
+  elements = np.zeros((len(ex.owned), len(kinds)))
+  k = ex.team_size
+  for t, runs in enumerate(ex.teams):
+    for r in runs:
+      members, c = slice(t * k, (t + 1) * k), column["team", r.bucket]
+      count = len(r.matrices)
+      seconds[members, c] += r.cost.seconds(model, count)
+      elements[members, c] += count * r.block
+  for w, owned in enumerate(ex.owned):
+    for b, mine in enumerate(owned):
+      if mine:
+        bucket, c = ex.buckets[b], column["whole", b]
+        seconds[w, c] += len(mine) * model.compute_seconds(bucket.flops)
+        elements[w, c] += len(mine) * bucket.piece_size(g)
+  return kinds, seconds, elements
+
+
+def _kind_stages(
+    seconds: np.ndarray,
+    elements: np.ndarray,
+    stages: int,
+    transfer: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+) -> np.ndarray | None:
+  """The stage of each kind whose stages, run in line, the model pipelines
+  best, or None when there are fewer kinds than stages or too many
+  assignments to weigh.
+
+  Args:
+    seconds, elements: per (worker, kind), as ``_kind_loads`` gives them.
+    stages: how many stages, each with a kind.
+    transfer: chunk elements → (out, back) seconds, elementwise.
+  """
+  count = seconds.shape[1]
+  if count < stages or stages**count > MAX_ASSIGNMENTS:
+    return None
+  # Workers with the same loads pipeline alike.
+  rows = np.unique(np.concatenate([seconds, elements], axis=1), axis=0)
+  seconds, elements = rows[:, :count], rows[:, count:]
+  choices = np.array(list(itertools.product(range(stages), repeat=count)))
+  choices = choices[
+      (choices[:, :, None] == np.arange(stages)).any(axis=1).all(axis=1)
+  ]
+  onehot = (choices[:, :, None] == np.arange(stages)).astype(np.float64)
+  ns = np.einsum("wk,aks->aws", seconds, onehot).max(axis=1)
+  chunk = np.einsum("wk,aks->aws", elements, onehot).max(axis=1)
+  out, back = transfer(chunk)
+  total = costs.pipelined_seconds(
+      list(ns.T), list(out.T), list(back.T), looped=False
+  )
+  return choices[int(np.argmin(total))]
+
+
+def _restricted(ex: Exchange, kinds: set[tuple[str, int]]) -> Exchange:
+  """``ex`` with only its matrices of ``kinds``: each worker's program and each
+  team's runs keep those buckets, in their order."""
+  keep = lambda runs, b: runs if ("whole", b) in kinds else ()
+  programs = [
+      tuple(keep(runs, b) for b, runs in enumerate(p)) for p in ex.programs
+  ]
+  distinct = list(dict.fromkeys(programs))
+  part = dataclasses.replace(
+      ex,
+      owned=tuple(
+          tuple(keep(mine, b) for b, mine in enumerate(owned))
+          for owned in ex.owned
+      ),
+      programs=tuple(distinct),
+      program_of=tuple(distinct.index(programs[i]) for i in ex.program_of),
+  )
+  if not ex.teams:
+    return part
+  teams = [
+      [r for r in runs if ("team", r.bucket) in kinds] for runs in ex.teams
+  ]
+  return _with_teams(part, ex.team_size, teams)
+
+
+def split_by_kind(
+    ex: Exchange,
+    plan: Plan,
+    group: Group,
+    stages: int,
+    model: CostModel,
+) -> tuple[Exchange, ...] | None:
+  """``ex`` as ``stages`` exchanges, each with the matrices of some of its kinds
+  (a bucket's whole matrices, or its team runs): the owners of one stage, no
+  program in two stages, so the stages run in line (``model.in_line``), each
+  moving its own chunk. The kinds' stages are the assignment the model
+  pipelines best.
+
+  Args:
+    ex: an exchange in one stage.
+    plan: its plan.
+    group: its group.
+    stages: how many stages.
+    model: the cost model.
+
+  Returns:
+    The stages, or None when ``ex`` has fewer kinds than ``stages`` (or too
+    many to weigh).
+  """
+  g, itemsize = group.exchange_size, plan.wire_itemsize(ex)
+  kinds, seconds, elements = _kind_loads(ex, g, model)
+
+  def transfer(chunks):
+    values, where = np.unique(chunks, return_inverse=True)
+    out, back = np.array(
+        [group.transfer_seconds(itemsize * c, model) for c in values]
+    ).T
+    return out[where].reshape(chunks.shape), back[where].reshape(chunks.shape)
+
+  chosen = _kind_stages(seconds, elements, stages, transfer)
+  if chosen is None:
+    return None
+  return tuple(
+      _restricted(ex, {k for k, s in zip(kinds, chosen) if s == stage})
+      for stage in range(stages)
+  )
+
+
 def _with_teams(
     ex: Exchange, team_size: int, teams: list[list[TeamRun]]
 ) -> Exchange:
@@ -263,22 +412,33 @@ def _splittable(group: Group, ex: Exchange) -> bool:
   return _moves(group) and _most(ex) >= 2
 
 
-def _in_stages(plan: Plan, stages: int, equal: bool, model: CostModel) -> Plan:
+def _in_stages(
+    plan: Plan, stages: int, cut: str, model: CostModel
+) -> Plan | None:
   """``plan`` with every exchange that can be split cut into ``stages`` (at
   most its busiest worker's matrix count): into equal runs of one program
-  (``split_exchange``, owners in bundles) or by load (``split_by_load``)."""
-  groups = []
+  (``cut="equal"``: ``split_exchange``, owners in bundles), by load
+  (``"load"``: ``split_by_load``) or by kind (``"kind"``: ``split_by_kind``;
+  None when no exchange has that many kinds)."""
+  groups, any_cut = [], False
   for group in plan.groups:
     exchanges = []
     for ex in group.exchanges:
       count = min(stages, _most(ex))
+      parts = None
       if not _splittable(group, ex):
-        exchanges.append(ex)
-      elif equal:
-        exchanges += split_exchange(ex, count)
+        pass
+      elif cut == "equal":
+        parts = split_exchange(ex, count)
+      elif cut == "load":
+        parts = split_by_load(ex, plan, group, count, model)
       else:
-        exchanges += split_by_load(ex, plan, group, count, model)
+        parts = split_by_kind(ex, plan, group, stages, model)
+      any_cut = any_cut or parts is not None
+      exchanges += parts or (ex,)
     groups.append(dataclasses.replace(group, exchanges=tuple(exchanges)))
+  if not any_cut:
+    return None
   return dataclasses.replace(plan, groups=tuple(groups))
 
 
@@ -340,16 +500,18 @@ def choose_stages(
   if not split:
     return dataclasses.replace(plan, stage_notes=tuple(notes))
   # Per (stages, one program or not), the plan.
-  options = {(1, True): plan}
+  options = {(1, "equal"): plan}
   for s in range(2, MAX_STAGES + 1) if stages is None else [stages]:
-    options[s, True] = _in_stages(replan(s), s, True, model)
-    options[s, False] = _in_stages(plan, s, False, model)
+    options[s, "equal"] = _in_stages(replan(s), s, "equal", model)
+    options[s, "load"] = _in_stages(plan, s, "load", model)
+    options[s, "kind"] = _in_stages(plan, s, "kind", model)
+  options = {k: p for k, p in options.items() if p is not None}
   seconds = {k: p.critical_seconds(model) for k, p in options.items()}
   if stages is not None:
     return options[min((k for k in options if k[0] == stages), key=seconds.get)]
   # Stages that gain; those that compile no more NS programs than one stage
   # first.
-  base = seconds[1, True]
+  base = seconds[1, "equal"]
   gaining = [
       k for k in options if k[0] == 1 or seconds[k] < base * (1 - MIN_GAIN)
   ]
