@@ -169,8 +169,8 @@ def _two_slices_profile() -> dict:
 def _staged_across_hosts() -> dict:
   """A 24-layer d = 2048 Llama-like tree on 2 hosts × 8 H100s (FSDP 16): the
   plan's stages, and the share of all-to-all bytes with matrix products
-  scheduled between start and done (its NS runs in ``lax.switch`` branches
-  inside the stages' loop: the workers' programs differ)."""
+  scheduled between start and done (its NS runs in ``lax.switch`` branches:
+  the workers' programs differ)."""
   target = aot.TARGETS["gpu-h100-2x8"]
   mesh = aot.make_mesh(target)
   params, dims, _, shardings = aot.llama_tree(mesh, **aot.TREES["1b"])

@@ -106,8 +106,8 @@ def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
       len(loop) - loop.count("all-gather")
   ), loop
   # Across hosts, the exchange in stages: each stage's NS (in lax.switch
-  # branches, in the stages' loop) runs while the all-to-all of the next
-  # stage out and the previous one back moves.
+  # branches) runs while the all-to-all of the next stage out and the previous
+  # one back moves.
   # Two TPU slices plan at the data-center network's bandwidth (25 Gb/s per
   # v5e chip), not the chips' interconnect.
   if platform == "tpu":
