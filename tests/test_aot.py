@@ -64,6 +64,8 @@ def _compile(platform: str) -> dict:
   return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+# One compiler at a time: libtpu allows one process per host.
+@pytest.mark.xdist_group("accelerator compilers")
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_the_accelerator_compilers_run_the_plan_at_full_precision(platform):
   out = _compile(platform)
