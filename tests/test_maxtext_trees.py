@@ -23,6 +23,7 @@ from real_trees import TREES
 
 import optax_muon as om
 from optax_muon._src.core import routing, tree_utils
+from optax_muon._src.muon.plan.model import in_line
 
 RECORDS = sorted(p.stem for p in TREES.glob("maxtext_*.json"))
 # The type MaxText's numbers come in (optax.contrib's; optax < 0.2.6 has none).
@@ -420,17 +421,24 @@ def _far_leaves(updates, reference, tolerance=1e-5):
 
 
 @pytest.mark.slow
-def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
+@pytest.mark.parametrize("stages", [None, 3])
+def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device(stages):
   """deepseek3-tiny sharded as MaxText shards it (its logical axis rules on its
-  twelve-axis mesh, Auto, fsdp 4 × tensor 2), with ``param_shardings``: the
-  update equals the single-device one (1e-5), with no warning, and every NS
-  FLOP each device runs is one the plan reports (nothing redundant)."""
+  twelve-axis mesh, Auto, fsdp 4 × tensor 2), with ``param_shardings``, its
+  exchanges in one stage (XLA:CPU's choice) or forced into three (in line:
+  each of its many kinds of matrix in one stage): the update
+  equals the single-device one (1e-5), with no warning, and every NS FLOP each
+  device runs is one the plan reports (nothing redundant)."""
   record, mesh, shardings = _deepseek_tiny_as_maxtext_shards_it()
   params = _tree(record, lambda l: _values(l["shape"], 0))
   grads = _tree(record, lambda l: _values(l["shape"], 1))
   single = om.muon(0.02)
   reference = jax.jit(single.update)(grads, single.init(params), params)[0]
-  tx = om.muon(0.02, param_shardings=shardings)
+  tx = om.muon(
+      0.02,
+      param_shardings=shardings,
+      sharding=om.ShardingOptions(exchange_stages=stages),
+  )
   with jax.set_mesh(mesh), warnings.catch_warnings():
     warnings.simplefilter("error")
     sharded_params = jax.device_put(params, shardings)
@@ -448,7 +456,11 @@ def test_maxtexts_own_shardings_on_an_auto_mesh_equal_one_device():
   np.testing.assert_array_equal(
       compiled_device_flops(cost, plan), plan.device_ns_flops()
   )
-  assert cost.collectives_in_loops == 0
+  staged = [s for g in plan.groups for s in g.stages() if len(s) > 1]
+  assert bool(staged) == (stages is not None)
+  # A loop of stages moves them in its iterations; nothing else runs a
+  # collective in a loop.
+  assert cost.collectives_in_loops == sum(not in_line(s) for s in staged)
 
 
 @pytest.mark.slow
