@@ -102,11 +102,13 @@ class ShardingOptions:
       ``jax.devices()``'s), at the NS compute dtype's rate (see
       ``CostModel.profile``).
     exchange_stages: split each exchange by matrix into this many stages (a
-      team's matrices like an owner's), run as one loop whose iteration
-      orthogonalizes one stage while the next moves out and the previous one
-      comes back (at most as many as the busiest worker has matrices; the NS
-      code is compiled once per distinct program, whatever the count);
-      ``None``: as many as shorten the cost model's modelled time (one on
+      team's matrices like an owner's): one stage is orthogonalized while the
+      next moves out and the previous one comes back (at most as many as the
+      busiest worker has matrices). Stages that share a program run as one
+      loop (the NS code compiled once per distinct program, whatever the
+      count), stages with none in common in line (each moves only its own
+      matrices); ``None``: as many as shorten the cost model's modelled time
+      without compiling more than one NS program more (one on
       XLA:CPU, whose collectives cannot overlap compute). TPUs need asynchronous
       all-to-alls for the overlap (``LIBTPU_INIT_ARGS=
       --xla_tpu_enable_async_all_to_all=true``), GPUs the latency-hiding
