@@ -62,10 +62,23 @@ def test_pipelined_seconds():
       )
       == 1 + 4 + max(9.0, 1 + 1) + 4 + 1
   )
-  # Arrays: one pipeline per element.
+  # Each worker runs its own stages between the all-to-alls they all join:
+  # worker 1, with nothing in stage 0, orthogonalizes its stage 1 while worker 0
+  # is still in stage 0 (8, where the busiest worker of each stage in turn
+  # would take 1 + 5 + 5 + 1).
+  assert (
+      costs.pipelined_seconds(
+          [np.array([5.0, 0.0]), np.array([0.0, 5.0])],
+          [1.0, 1.0],
+          [1.0, 1.0],
+          looped=False,
+      )
+      == 1 + 5 + 1 + 1
+  )
+  # Leading axes: pipelines side by side (the workers on the last axis).
   np.testing.assert_allclose(
       costs.pipelined_seconds(
-          [np.array([1.0, 5.0])] * 2,
+          [np.array([[1.0], [5.0]])] * 2,
           [np.array([3.0, 1.0])] * 2,
           [np.array([3.0, 1.0])] * 2,
           looped=False,

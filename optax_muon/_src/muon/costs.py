@@ -265,29 +265,44 @@ class TeamCost:
 
 
 def pipelined_seconds(
-    ns: list[float], out: list[float], back: list[float], looped: bool = True
-) -> float:
-  """Modelled time of an exchange in stages: stage 0 moves out first; then
-  stage s is orthogonalized while stage s + 1 moves out and stage s − 1 comes
-  back; the last stage comes back at the end. In the executor's loop
-  (``looped``) the first iteration's way back and the last one's way out move a
-  stage's chunk that nothing needs; in line they move nothing. One stage: out,
-  NS, back in turn. Each figure may be an array (one pipeline per element).
+    ns: list, out: list, back: list, looped: bool = True
+) -> np.ndarray | float:
+  """Modelled time of an exchange in stages, each worker running its own NS
+  between the collectives that all of them join: stage 0 moves out first; then
+  each worker orthogonalizes its matrices of stage s while one all-to-all
+  carries stage s + 1 out and stage s − 1 back (started when the last worker
+  starts stage s, done that long after); a worker starts stage s + 1 when its
+  stage s is done and that all-to-all has arrived; the last stage comes back
+  at the end. A worker with little in stage s thus runs ahead into stage
+  s + 1 while others are still busy. In the executor's loop (``looped``) the
+  first iteration's way back and the last one's way out move a stage's chunk
+  that nothing needs; in line they move nothing. One stage: out, NS, back in
+  turn.
 
   Args:
-    ns: per stage, the busiest worker's NS time.
-    out: per stage, the all-to-all to the owners.
+    ns: per stage, each worker's NS time (the workers on the last axis; a
+      scalar: every worker alike; leading axes: several pipelines at once).
+    out: per stage, the all-to-all to the owners (scalars, or arrays of the
+      pipelines' shape).
     back: per stage, the all-to-all back (and the replicas' all-gather).
     looped: whether the stages run as the executor's loop.
+
+  Returns:
+    The time until the last stage is back (one per pipeline).
   """
+  busiest = lambda t: np.max(t, axis=-1)
+  ns = [
+      np.asarray(t, np.float64)[..., None] if np.ndim(t) == 0 else t for t in ns
+  ]
   if len(ns) == 1:
-    return out[0] + ns[0] + back[0]
+    return out[0] + busiest(ns[0]) + back[0]
   last = len(ns) - 1
-  total = out[0] + back[-1]
+  begin = np.asarray(out[0], np.float64)[..., None] + np.zeros_like(ns[0])
   for s, compute in enumerate(ns):
     if looped:
       moving = out[min(s + 1, last)] + back[max(s - 1, 0)]
     else:
       moving = (out[s + 1] if s < last else 0.0) + (back[s - 1] if s else 0.0)
-    total = total + np.maximum(compute, moving)
-  return total
+    arrived = busiest(begin) + moving
+    begin = np.maximum(begin + compute, np.asarray(arrived)[..., None])
+  return busiest(begin) + back[-1]

@@ -441,18 +441,18 @@ class Group:
       itemsize: int,
       model: CostModel,
       chunk: int | None = None,
-  ) -> tuple[float, float, float]:
-    """One stage ``ex`` of a pipelined exchange: the busiest worker's NS time
-    (team collectives included), the all-to-all out and the way back (with the
+  ) -> tuple[np.ndarray, float, float]:
+    """One stage ``ex`` of a pipelined exchange: each worker's NS time (team
+    collectives included), the all-to-all out and the way back (with the
     replicas' all-gather); ``chunk`` as in ``received_bytes``."""
     compute = (
         ex.worker_flops() / model.flops_per_second
         + ex.worker_team_collective_seconds(model)
-    ).max()
+    )
     out, back = self.transfer_seconds(
         itemsize * (chunk or ex.chunk(self.exchange_size)), model
     )
-    return float(compute), out, back
+    return compute, out, back
 
   def transfer_seconds(
       self, chunk_bytes: float, model: CostModel

@@ -304,11 +304,11 @@ def _kind_stages(
       (choices[:, :, None] == np.arange(stages)).any(axis=1).all(axis=1)
   ]
   onehot = (choices[:, :, None] == np.arange(stages)).astype(np.float64)
-  ns = np.einsum("wk,aks->aws", seconds, onehot).max(axis=1)
+  ns = np.einsum("wk,aks->saw", seconds, onehot)
   chunk = np.einsum("wk,aks->aws", elements, onehot).max(axis=1)
   out, back = transfer(chunk)
   total = costs.pipelined_seconds(
-      list(ns.T), list(out.T), list(back.T), looped=False
+      list(ns), list(out.T), list(back.T), looped=False
   )
   return choices[int(np.argmin(total))]
 
