@@ -476,7 +476,7 @@ def table(rows: list[dict]) -> str:
                 str(r.get("stages", "—")),
                 collectives or "—",
                 "—" if share is None else f"{share:.0%}",
-                f"{r['compile CPU s']:.1f}",
+                f"{r['compile CPU s']:.2f}",
                 f"{r['modelled ms']:.2f}" if "modelled ms" in r else "—",
                 f"{r['modelled received MB']:.0f}"
                 if "modelled received MB" in r

@@ -528,9 +528,15 @@ def choose_stages(
   ) * (1 - MORE_PROGRAMS_GAIN):
     gaining = cheap
   best = min(seconds[k] for k in gaining)
+  # The fewest stages, then the shortest time, then the fewest bytes moved (a
+  # loop and stages in line may model alike where NS hides both).
   chosen = min(
       (k for k in gaining if seconds[k] <= best * (1 + NEAR_BEST)),
-      key=lambda k: (k[0], seconds[k]),
+      key=lambda k: (
+          k[0],
+          round(seconds[k], 12),
+          options[k].device_received_bytes().max(),
+      ),
   )
   if chosen[0] == 1:
     t, s, more = min(
