@@ -496,24 +496,42 @@ def _in_line(
     ``tables``' rows.
   """
   unit = units.shape[1]
-  received = _exchange(_outgoing(units, tables[0], group), group)
+  received, _ = _both_ways(_outgoing(units, tables[0], group), None, group)
   results, previous = [], None
   for s, ex in enumerate(stages):
     reply = _orthogonalize_received(received, plan, ns, group, (ex,), 0)
-    moving = (
-        [] if s + 1 == len(stages) else [_outgoing(units, tables[s + 1], group)]
+    following = (
+        _outgoing(units, tables[s + 1], group) if s + 1 < len(stages) else None
     )
-    width = moving[0].shape[1] if moving else 0
-    if previous is not None:
-      moving.append(previous)
-    if moving:
-      both = _exchange(jnp.concatenate(moving, axis=1), group)
-      received = both[:, :width]
-      if previous is not None:
-        results.append(_returned(both[:, width:], group, unit))
+    if following is not None or previous is not None:
+      received, back = _both_ways(following, previous, group)
+      if back is not None:
+        results.append(_returned(back, group, unit))
     previous = reply
-  results.append(_returned(_exchange(previous, group), group, unit))
+  _, back = _both_ways(None, previous, group)
+  results.append(_returned(back, group, unit))
   return jnp.concatenate(results) if len(results) > 1 else results[0]
+
+
+def _both_ways(
+    outgoing: jax.Array | None, previous: jax.Array | None, group: Group
+) -> tuple[jax.Array | None, jax.Array | None]:
+  """One all-to-all that carries ``outgoing`` (a stage's pieces) out and
+  ``previous`` (a stage's results) back, either of them None: one latency, and
+  one collective in flight beside the NS.
+
+  Returns:
+    (the pieces received, the results received), None where nothing went.
+  """
+  parts = [x for x in (outgoing, previous) if x is not None]
+  both = _exchange(
+      jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], group
+  )
+  width = 0 if outgoing is None else outgoing.shape[1]
+  return (
+      None if outgoing is None else both[:, :width],
+      None if previous is None else both[:, width:],
+  )
 
 
 def _run_stages(
@@ -577,20 +595,20 @@ def _run_stages(
   def iteration(s, carry):
     received, previous, units = carry
     reply = _orthogonalize_received(received, plan, ns, group, stages, s)
-    # Stage s + 1 out and stage s − 1 back in one all-to-all: one latency, and
-    # one collective in flight beside the NS.
-    outgoing = _outgoing(units, sources[jnp.minimum(s + 1, count - 1)], group)
-    both = _exchange(jnp.concatenate([outgoing, previous], axis=1), group)
-    width = outgoing.shape[1]
-    units = place(units, s, _returned(both[:, width:], group, unit))
-    return both[:, :width], reply, units
+    received, back = _both_ways(
+        _outgoing(units, sources[jnp.minimum(s + 1, count - 1)], group),
+        previous,
+        group,
+    )
+    units = place(units, s, _returned(back, group, unit))
+    return received, reply, units
 
-  first = _exchange(_outgoing(units, sources[0], group), group)
+  first, _ = _both_ways(_outgoing(units, sources[0], group), None, group)
   _, last, units = jax.lax.fori_loop(
       0, count, iteration, (first, jnp.zeros_like(first), units)
   )
-  returned = _returned(_exchange(last, group), group, unit)
-  return place(units, count, returned)[:size]
+  _, back = _both_ways(None, last, group)
+  return place(units, count, _returned(back, group, unit))[:size]
 
 
 def _run_exchange(
