@@ -3,6 +3,7 @@ prints what the compiler decided, as JSON (run by ``test_aot.py`` in a process
 of its own: a TPU and a GPU compiler cannot share one).
 
   python tests/aot_worker.py tpu|cuda
+  python tests/aot_worker.py tpu pod   # the v5p-256 team plan, async all-to-alls
 """
 
 import json
@@ -13,10 +14,16 @@ import re
 import sys
 
 PLATFORM = sys.argv[1]
+POD = sys.argv[2:] == ["pod"]
 if PLATFORM == "tpu":
   os.environ.setdefault(
       "TPU_ACCELERATOR_TYPE", "v5p-512"
   )  # quiets libtpu's host probing
+if POD:  # asynchronous all-to-alls, as the docs' TPU flags set them
+  os.environ["LIBTPU_INIT_ARGS"] = (
+      f"{os.environ.get('LIBTPU_INIT_ARGS', '')} "
+      "--xla_tpu_enable_async_all_to_all=true"
+  )
 else:
   os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin compiles deviceless
   # The latency-hiding scheduler, as the docs' GPU flags set it.
@@ -152,6 +159,53 @@ def main() -> None:
   print("RESULT " + json.dumps(out))
 
 
+def _pod_team_stages() -> dict:
+  """The 7B-like tree on a TPU v5p-256 (FSDP 256): its plan (teams, stages,
+  in line or a loop, modelled time beside one stage's), and what the compiler
+  made of it (the share of all-to-all bytes with matrix products scheduled
+  between start and done, the all-to-all bytes, each chip's NS FLOPs)."""
+  from optax_muon._src.muon.plan.model import in_line  # noqa: PLC0415
+
+  mesh = aot.make_mesh(aot.TARGETS["tpu-v5p-256"])
+  params, dims, _, shardings = aot.llama_tree(mesh, **aot.TREES["7b"])
+  plans = {}
+  for stages in (None, 1):
+    tx = om.muon(
+        0.02,
+        muon_weight_dimension_numbers=dims,
+        param_shardings=shardings,
+        sharding=om.ShardingOptions(exchange_stages=stages),
+    )
+    with jax.set_mesh(mesh):
+      plans[stages] = om.summarize(params, tx).plan
+  tx = om.muon(
+      0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings
+  )
+  compiled, _ = aot.compile_update(tx, params, mesh)
+  plan = plans[None]
+  cost = hlo_cost.analyze(compiled, mesh.devices.size)
+  overlapped, exchanged = hlo_cost.overlapped_bytes(compiled, "all-to-all")
+  return {
+      "teams": sorted(
+          {ex.team_size for g in plan.groups for ex in g.exchanges}
+      ),
+      "stages": [(len(s), in_line(s)) for g in plan.groups for s in g.stages()],
+      "seconds": plan.critical_seconds(),
+      "one_stage_seconds": plans[1].critical_seconds(),
+      "overlapped": overlapped / exchanged,
+      "exchanged": sum(
+          c.received_bytes for c in cost.collectives if c.kind == "all-to-all"
+      ),
+      "plan_exchanged": float(plan.device_received_bytes().max()),
+      "flops_match": bool(
+          (
+              hlo_cost.compiled_device_flops(cost, plan)
+              == plan.device_ns_flops()
+          ).all()
+      ),
+  }
+
+
 def _two_slices_profile() -> dict:
   """The cost profile the plan finds for two v5e slices joined over the
   data-center network."""
@@ -189,4 +243,7 @@ def _staged_across_hosts() -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  if POD:
+    print("RESULT " + json.dumps(_pod_team_stages()))
+  else:
+    main()
