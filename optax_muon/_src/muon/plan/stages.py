@@ -522,7 +522,7 @@ def choose_stages(
   programs = ns_programs(plan)
   extra = {k: ns_programs(options[k]) - programs for k in gaining}
   cheap = [k for k in gaining if extra[k] <= 0]
-  gaining = [k for k in gaining if extra[k] <= EXTRA_PROGRAMS]
+  gaining = [k for k in gaining if k[0] == 1 or extra[k] <= EXTRA_PROGRAMS]
   if len(cheap) > 1 and min(seconds[k] for k in gaining) >= min(
       seconds[k] for k in cheap
   ) * (1 - MORE_PROGRAMS_GAIN):
