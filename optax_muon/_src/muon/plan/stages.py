@@ -36,8 +36,8 @@ consecutive ones as one exchange (``Group.stages``).
 S and the cut come from the cost model (``costs.pipelined_seconds``): among the
 cuts that compile no more NS programs than one stage (``ns_programs``), if one
 of them gains and no cut with one program more is 10% faster, else among those
-with at most one more, the
-fewest stages within 2% of the shortest modelled time; one stage where the
+with at most one more, the fewest stages within 2% of the shortest modelled
+time (then the shortest, then the fewest bytes moved); one stage where the
 model cannot overlap collectives (``CostModel.overlap``; XLA:CPU) or where
 padding, the loop's extra transfers, a stage's collective latency or a kind's
 stage waiting for another's cost more than overlap hides.
