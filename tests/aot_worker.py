@@ -168,20 +168,17 @@ def _pod_team_stages() -> dict:
 
   mesh = aot.make_mesh(aot.TARGETS["tpu-v5p-256"])
   params, dims, _, shardings = aot.llama_tree(mesh, **aot.TREES["7b"])
-  plans = {}
+  txs, plans = {}, {}
   for stages in (None, 1):
-    tx = om.muon(
+    txs[stages] = om.muon(
         0.02,
         muon_weight_dimension_numbers=dims,
         param_shardings=shardings,
         sharding=om.ShardingOptions(exchange_stages=stages),
     )
     with jax.set_mesh(mesh):
-      plans[stages] = om.summarize(params, tx).plan
-  tx = om.muon(
-      0.02, muon_weight_dimension_numbers=dims, param_shardings=shardings
-  )
-  compiled, _ = aot.compile_update(tx, params, mesh)
+      plans[stages] = om.summarize(params, txs[stages]).plan
+  compiled, _ = aot.compile_update(txs[None], params, mesh)
   plan = plans[None]
   cost = hlo_cost.analyze(compiled, mesh.devices.size)
   overlapped, exchanged = hlo_cost.overlapped_bytes(compiled, "all-to-all")

@@ -619,8 +619,8 @@ def _run_exchange(
     stages: tuple[Exchange, ...],
     out: list,
 ) -> None:
-  """Orthogonalizes the matrices of an exchange (in one stage, or in a loop of
-  ``stages``: ``_run_stages``); fills ``out``."""
+  """Orthogonalizes the matrices of an exchange (in one stage, or in
+  ``stages``, in line or as a loop: ``_run_stages``); fills ``out``."""
   ex = stages[0]
   # 1. Each bucket's local matrices, one piece each: (K, L).
   stacks = [
